@@ -1,0 +1,101 @@
+"""The ``RemoteBackend`` contract: lifecycle, weight sync and checkpoints only.
+
+Compute calls (log-probs, the actor update, generation) are each backend's own
+business: its forwarder worker and rollout replica call them with whatever
+protocol the service speaks. What the trainer needs from every backend is the
+part below, and nothing more.
+
+One backend serves a whole run. The driver builds it with
+``from_config(config)``; every forwarder worker and rollout replica, each in its
+own Ray process, re-attaches to the same running backend with
+``from_config(config, handle=backend.reconnect_handle())``.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from typing import Any
+
+__all__ = ["RemoteBackend"]
+
+# Methods whose coroutine-ness is part of the contract. A backend that overrides
+# one of these with the other flavour would fail far from its definition (an
+# un-awaited coroutine, or "object is not awaitable" inside verl's loop), so the
+# mismatch is rejected when the subclass is defined.
+_ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy")
+_SYNC_METHODS = ("reconnect_handle", "requires_single_forwarder")
+
+
+class RemoteBackend(abc.ABC):
+    """A training and sampling service that verl's RL loop drives.
+
+    Subclasses implement the abstract methods; ``requires_single_forwarder``
+    has a default. The async methods are awaited by verl-remote on an event
+    loop of its own, so they may do network or Ray calls directly.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _ASYNC_METHODS:
+            method = cls.__dict__.get(name)
+            if method is not None and not inspect.iscoroutinefunction(method):
+                raise TypeError(
+                    f"{cls.__module__}.{cls.__qualname__}.{name} must be 'async def': "
+                    "RemoteBackend has one async contract for lifecycle calls"
+                )
+        for name in _SYNC_METHODS:
+            method = cls.__dict__.get(name)
+            if method is not None and inspect.iscoroutinefunction(method):
+                raise TypeError(
+                    f"{cls.__module__}.{cls.__qualname__}.{name} must be a plain 'def', not 'async def'"
+                )
+        from_config = cls.__dict__.get("from_config")
+        if from_config is not None and not isinstance(from_config, classmethod):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.from_config must be a classmethod")
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> RemoteBackend:
+        """Build the backend, or re-attach to a running one.
+
+        Args:
+            main_config: the whole composed run config (an OmegaConf ``DictConfig``);
+                the backend's own settings are under ``main_config.remote_backend``.
+            handle: ``None`` on the driver, which creates the backend (connects to
+                or starts the service, creates its jobs). In a Ray worker, the dict
+                returned by :meth:`reconnect_handle` on the driver: attach to that
+                same backend, create nothing.
+        """
+
+    @abc.abstractmethod
+    def reconnect_handle(self) -> dict[str, Any]:
+        """A small, picklable dict from which any process can re-attach.
+
+        It crosses Ray process boundaries, so keep it to plain data (URLs, job
+        ids, Ray actor names); never a secret: read tokens from the environment.
+        """
+
+    def requires_single_forwarder(self) -> bool:
+        """Whether the service needs every verl call to come from one forwarder.
+
+        Services that run their own data parallelism want one caller per step;
+        the trainer then refuses layouts with more than one forwarder worker.
+        """
+        return False
+
+    @abc.abstractmethod
+    async def update_weights(self) -> None:
+        """Make the sampler use the weights the trainer just updated."""
+
+    @abc.abstractmethod
+    async def save_checkpoint(self, step: int, path: str) -> None:
+        """Save model and optimizer state for global ``step`` under ``path``."""
+
+    @abc.abstractmethod
+    async def load_checkpoint(self, step: int, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote for ``step`` under ``path``."""
+
+    @abc.abstractmethod
+    async def destroy(self) -> None:
+        """Release everything the backend created. Must be idempotent."""

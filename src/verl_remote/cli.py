@@ -1,0 +1,130 @@
+"""The ``verl-remote`` command line.
+
+Commands import what they need when they run, so ``verl-remote --help`` and
+``verl-remote list`` stay fast. Errors a user can fix are printed as one line
+on stderr with a non-zero exit; ``--traceback`` shows the full stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from verl_remote import __version__
+from verl_remote.errors import BackendError
+
+__all__ = ["main"]
+
+EXIT_FAILED = 1  # a check or a backend failed
+EXIT_USAGE = 2  # bad input: unknown backend, bad override, missing file
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from verl_remote.diagnostics import inspect_backends
+
+    reports = inspect_backends()
+    if not reports:
+        print("no backends installed (install a distribution that registers 'verl.remote_backends')")
+        return 0
+    rows = []
+    for r in reports:
+        b = r.installed
+        if r.ok and r.spec is not None:
+            rows.append((b.name, f"{b.distribution} {b.version}", f"{r.spec.search_path}/{r.spec.config_file}", "ok"))
+        else:
+            rows.append((b.name, f"{b.distribution} {b.version}", "-", f"error: {r.error}"))
+    header = ("NAME", "DISTRIBUTION", "CONFIG GROUP", "STATUS")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
+    return 0 if all(r.ok for r in reports) else EXIT_FAILED
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from verl_remote.compose import ConfigError, compose_config
+
+    try:
+        config = compose_config(args.overrides, recipe=args.recipe)
+    except ConfigError as exc:
+        print(f"verl-remote config: invalid config: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(OmegaConf.to_yaml(config, resolve=args.resolve), end="")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from verl_remote.doctor import Check, run_checks
+
+    def show(check: Check) -> None:
+        mark = "ok  " if check.ok else "FAIL"
+        line = f"[{mark}] {check.name}"
+        if check.detail:
+            line += f": {check.detail}"
+        print(line, flush=True)
+
+    results = run_checks(ray_worker=not args.no_ray, on_check=show)
+    failed = [c for c in results if not c.ok]
+    print(f"doctor: {len(results) - len(failed)} checks passed, {len(failed)} failed")
+    return EXIT_FAILED if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verl-remote",
+        description="Run verl's RL post-training loop against a remote training and sampling backend.",
+    )
+    parser.add_argument("--version", action="version", version=f"verl-remote {__version__}")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = commands.add_parser(
+        "list",
+        help="list installed backends",
+        description="List every backend registered in the 'verl.remote_backends' entry-point group: "
+        "name, distribution and version, config group, and whether its spec and classes import. "
+        "Exits non-zero if any backend is broken.",
+    )
+    p.set_defaults(func=_cmd_list)
+
+    p = commands.add_parser(
+        "config",
+        help="print the composed config",
+        description="Compose verl's ppo_trainer config with the remote_backend group and print it as YAML. "
+        "Takes the same overrides as 'verl-remote train' and 'python -m verl.trainer.main_ppo', "
+        "e.g. remote_backend=<name> algorithm.adv_estimator=grpo remote_backend.<key>=<value>.",
+    )
+    p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override, key=value")
+    p.add_argument("--recipe", metavar="FILE", help="a recipe YAML (see configs/) to compose instead of the default")
+    p.add_argument("--resolve", action="store_true", help="resolve interpolations before printing")
+    p.set_defaults(func=_cmd_config)
+
+    p = commands.add_parser(
+        "doctor",
+        help="check that verl, the plugins and every backend work here",
+        description="Check the verl version, that verl loads verl-remote's plugin, that Hydra finds the search "
+        "path plugin, and that every installed backend loads and its config group composes, in this process "
+        "and in a Ray worker process of a local Ray cluster. Exits non-zero on any failure.",
+    )
+    p.add_argument("--no-ray", action="store_true", help="skip the checks in a Ray worker process")
+    p.set_defaults(func=_cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except BackendError as exc:
+        if args.traceback:
+            raise
+        print(f"verl-remote {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Compose the run config: verl's ``ppo_trainer`` plus the ``remote_backend`` group.
+
+The CLI composes through Hydra's compose API with verl-remote's primary config
+(``verl_remote/config/verl_remote.yaml``), so every verl override works as on
+``python -m verl.trainer.main_ppo``, and ``remote_backend=<name>`` picks a
+backend without ``+``. A recipe file (see ``configs/``) may stand in for the
+primary config; it lists ``verl_remote`` first in its defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl_remote.registry import get_backend_spec
+
+__all__ = ["CONFIG_MODULE", "CONFIG_NAME", "ConfigError", "compose_config", "selected_backend"]
+
+CONFIG_MODULE = "verl_remote.config"
+CONFIG_NAME = "verl_remote"
+# Searched, in this order, after the recipe's own folder: verl-remote's primary
+# config, then verl's trainer configs it extends. Backends' groups come from the
+# Hydra search path plugin.
+_SEARCH_PATH = [f"pkg://{CONFIG_MODULE}", "pkg://verl.trainer.config"]
+
+
+class ConfigError(ValueError):
+    """The overrides or the recipe do not compose into a config."""
+
+
+def _override_backend(overrides: Sequence[str]) -> str | None:
+    """The backend chosen on the command line, if any (the last choice wins, as in Hydra)."""
+    chosen = None
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+") == "remote_backend" and value not in ("", "null"):
+            chosen = value
+    return chosen
+
+
+def selected_backend(config: DictConfig) -> str | None:
+    """The backend name a composed config selects, or ``None``."""
+    section = config.get("remote_backend")
+    if section is None:
+        return None
+    name = section.get("name")
+    return str(name) if name is not None else None
+
+
+def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = None) -> DictConfig:
+    """Compose the run config from overrides and an optional recipe file.
+
+    Raises:
+        BackendError: ``remote_backend=<name>`` names a backend that is missing,
+            ambiguous or broken (the message lists what is installed).
+        ConfigError: Hydra rejected an override or the recipe.
+    """
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = list(overrides)
+    backend = _override_backend(overrides)
+    if backend is not None:
+        get_backend_spec(backend)  # a clear BackendError before Hydra's generic one
+
+    if recipe is None:
+        context: Any = initialize_config_module(config_module=CONFIG_MODULE, version_base=None)
+        config_name = CONFIG_NAME
+    else:
+        path = Path(recipe).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(recipe)!r} does not exist")
+        if path.suffix not in (".yaml", ".yml"):
+            raise ConfigError(f"recipe {str(recipe)!r} is not a .yaml file")
+        context = initialize_config_dir(config_dir=str(path.parent), version_base=None)
+        config_name = path.stem
+        overrides = [f"hydra.searchpath=[{','.join(_SEARCH_PATH)}]", *overrides]
+
+    try:
+        with context:
+            config = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(str(exc).strip()) from exc
+
+    choice = OmegaConf.select(config, "hydra.runtime.choices.remote_backend")
+    with open_dict(config):
+        del config["hydra"]
+    if choice is not None:
+        if choice != backend:
+            get_backend_spec(choice)  # chosen by a recipe: the same check as for an override
+        name = selected_backend(config)
+        if name != choice:
+            raise ConfigError(f"remote_backend/{choice}.yaml must set 'name: {choice}' (it sets {name!r})")
+    return config

@@ -1,0 +1,77 @@
+"""Inspect the installed backends without letting one broken backend hide the others.
+
+Shared by ``verl-remote list``, ``verl-remote doctor`` and doctor's Ray worker
+task, so that the driver and the workers judge a backend by the same code.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections import Counter
+from dataclasses import dataclass
+
+from verl_remote.errors import BackendError
+from verl_remote.registry import (
+    InstalledBackend,
+    available_backends,
+    installed_backend,
+    load_backend_class,
+    load_rollout_class,
+    load_worker_class,
+)
+from verl_remote.spec import BackendSpec
+
+__all__ = ["BackendReport", "config_group_error", "inspect_backends"]
+
+
+@dataclass(frozen=True)
+class BackendReport:
+    """What was found for one registration: its spec, or why it is unusable."""
+
+    installed: InstalledBackend
+    spec: BackendSpec | None
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def config_group_error(spec: BackendSpec) -> str | None:
+    """Why ``remote_backend/<name>.yaml`` cannot be found in the spec's package, if it cannot."""
+    try:
+        root = importlib.resources.files(spec.config_package)
+    except Exception as exc:  # the package itself is missing or fails to import
+        return f"config_package '{spec.config_package}' cannot be imported: {type(exc).__name__}: {exc}"
+    if not root.joinpath(spec.config_file).is_file():
+        return f"config_package '{spec.config_package}' has no {spec.config_file}"
+    return None
+
+
+def _inspect(backend: InstalledBackend, duplicated: bool) -> BackendReport:
+    if duplicated:
+        try:
+            installed_backend(backend.name)
+        except BackendError as exc:
+            return BackendReport(backend, None, str(exc))
+    try:
+        spec = backend.load_spec()
+    except BackendError as exc:
+        return BackendReport(backend, None, str(exc))
+    try:
+        load_backend_class(backend.name)
+        load_worker_class(backend.name)
+        load_rollout_class(backend.name)
+    except BackendError as exc:
+        return BackendReport(backend, spec, str(exc))
+    group_error = config_group_error(spec)
+    if group_error is not None:
+        return BackendReport(backend, spec, f"backend '{backend.name}': {group_error}")
+    return BackendReport(backend, spec, None)
+
+
+def inspect_backends() -> list[BackendReport]:
+    """Load every installed backend's spec and classes and check its config group file."""
+    installed = available_backends()
+    counts = Counter(b.name for b in installed)
+    return [_inspect(b, counts[b.name] > 1) for b in installed]

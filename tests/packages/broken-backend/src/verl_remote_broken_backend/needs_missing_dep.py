@@ -1,0 +1,3 @@
+import verl_remote_no_such_dependency  # noqa: F401  (not installed, on purpose)
+
+SPEC = None

@@ -47,9 +47,7 @@ class RemoteBackend(abc.ABC):
         for name in _SYNC_METHODS:
             method = cls.__dict__.get(name)
             if method is not None and inspect.iscoroutinefunction(method):
-                raise TypeError(
-                    f"{cls.__module__}.{cls.__qualname__}.{name} must be a plain 'def', not 'async def'"
-                )
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} must be a plain 'def', not 'async def'")
         from_config = cls.__dict__.get("from_config")
         if from_config is not None and not isinstance(from_config, classmethod):
             raise TypeError(f"{cls.__module__}.{cls.__qualname__}.from_config must be a classmethod")

@@ -37,7 +37,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     header = ("NAME", "DISTRIBUTION", "CONFIG GROUP", "STATUS")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3])
     return 0 if all(r.ok for r in reports) else EXIT_FAILED
 
 

@@ -21,9 +21,11 @@ __all__ = ["CONFIG_MODULE", "CONFIG_NAME", "ConfigError", "compose_config", "sel
 
 CONFIG_MODULE = "verl_remote.config"
 CONFIG_NAME = "verl_remote"
-# Searched, in this order, after the recipe's own folder: verl-remote's primary
-# config, then verl's trainer configs it extends. Backends' groups come from the
-# Hydra search path plugin.
+# Searched after the primary config's own folder: verl-remote's primary config
+# (for recipes), then verl's trainer configs it extends. Hydra accepts a search
+# path only from the primary config or the command line, and a recipe includes
+# verl_remote.yaml, so it is given here as an override. Backends' groups come
+# from the Hydra search path plugin.
 _SEARCH_PATH = [f"pkg://{CONFIG_MODULE}", "pkg://verl.trainer.config"]
 
 
@@ -78,7 +80,7 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
             raise ConfigError(f"recipe {str(recipe)!r} is not a .yaml file")
         context = initialize_config_dir(config_dir=str(path.parent), version_base=None)
         config_name = path.stem
-        overrides = [f"hydra.searchpath=[{','.join(_SEARCH_PATH)}]", *overrides]
+    overrides = [f"hydra.searchpath=[{','.join(_SEARCH_PATH)}]", *overrides]
 
     try:
         with context:

@@ -111,7 +111,9 @@ def _check_group(name: str) -> Check:
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
             config = compose(config_name="ppo_trainer", overrides=[f"+remote_backend={name}"])
         if config.remote_backend.get("name") != name:
-            raise ValueError(f"through verl.trainer.main_ppo, remote_backend.name is {config.remote_backend.get('name')!r}")
+            raise ValueError(
+                f"through verl.trainer.main_ppo, remote_backend.name is {config.remote_backend.get('name')!r}"
+            )
     except Exception as exc:
         return Check(label, False, f"{type(exc).__name__}: {exc}")
     return Check(label, True, "with verl-remote's config and with verl's ppo_trainer (+remote_backend)")

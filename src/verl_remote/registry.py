@@ -56,7 +56,9 @@ class InstalledBackend:
 
     def load_spec(self) -> BackendSpec:
         """Import the entry point and check that it is this backend's spec."""
-        where = f"entry point '{self.entry_point}' in group '{ENTRY_POINT_GROUP}' from {self.distribution} {self.version}"
+        where = (
+            f"entry point '{self.entry_point}' in group '{ENTRY_POINT_GROUP}' from {self.distribution} {self.version}"
+        )
         ep = EntryPoint(name=self.name, value=self.target, group=ENTRY_POINT_GROUP)
         try:
             spec = ep.load()
@@ -124,7 +126,7 @@ def get_backend_spec(name: str) -> BackendSpec:
     return installed_backend(name).load_spec()
 
 
-def _load_class(name: str, role: str) -> type[Any]:
+def _load_class(name: str, role: str, base: type[Any] = object) -> type[Any]:
     installed = installed_backend(name)
     spec = installed.load_spec()
     target: str = getattr(spec, role)
@@ -135,17 +137,17 @@ def _load_class(name: str, role: str) -> type[Any]:
         raise BackendImportError(f"{where}: {role} class {exc}") from exc.__cause__
     if not isinstance(obj, type):
         raise BackendImportError(f"{where}: {role} {target!r} is a {type(obj).__name__}, not a class")
-    if role == "backend":
-        from verl_remote.backend import RemoteBackend
-
-        if not issubclass(obj, RemoteBackend):
-            raise BackendImportError(f"{where}: {target!r} is not a subclass of verl_remote.RemoteBackend")
+    if not issubclass(obj, base):
+        raise BackendImportError(f"{where}: {target!r} is not a subclass of {base.__module__}.{base.__qualname__}")
     return obj
 
 
 def load_backend_class(name: str) -> type[RemoteBackend]:
     """Import the backend's :class:`~verl_remote.RemoteBackend` subclass."""
-    return _load_class(name, "backend")
+    from verl_remote.backend import RemoteBackend
+
+    cls: type[RemoteBackend] = _load_class(name, "backend", RemoteBackend)
+    return cls
 
 
 def load_worker_class(name: str) -> type[Any]:

@@ -77,7 +77,8 @@ class BackendSpec:
             value = getattr(self, field)
             if not isinstance(value, str) or not _IMPORT_STRING.match(value):
                 raise SpecError(
-                    f"backend {self.name!r}: {field}={value!r} is not an import string of the form 'package.module:Class'"
+                    f"backend {self.name!r}: {field}={value!r} is not an import string "
+                    "of the form 'package.module:Class'"
                 )
         if not isinstance(self.config_package, str) or not _MODULE.match(self.config_package):
             raise SpecError(

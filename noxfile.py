@@ -1,0 +1,55 @@
+"""Developer sessions: `nox -s tests`, `lint`, `types`, `build`, `benchmarks`.
+
+Every session that installs verl pins the CPU build of torch with
+constraints/cpu.txt, so no CUDA wheels are downloaded on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
+TEST_PACKAGES = [str(p) for p in sorted((ROOT / "tests" / "packages").iterdir()) if (p / "pyproject.toml").is_file()]
+
+nox.options.sessions = ["lint", "types", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite, against the real verl, Ray and Hydra (installs verl-remote and the test backends)."""
+    session.install("-c", CONSTRAINTS, ".", *TEST_PACKAGES)
+    session.install("-c", CONSTRAINTS, "pytest")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def types(session: nox.Session) -> None:
+    """mypy --strict on src/ (verl and Ray are untyped and not installed here)."""
+    session.install("mypy", "hydra-core>=1.3,<1.4", "omegaconf", "packaging")
+    session.run("mypy")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the distributions' wheels into dist/."""
+    session.install("build")
+    session.run("python", "-m", "build", "--wheel", "--outdir", "dist", ".")
+
+
+@nox.session
+def benchmarks(session: nox.Session) -> None:
+    """What `import verl` costs with verl-remote's plugin, side by side without it."""
+    session.install("-c", CONSTRAINTS, ".")
+    session.run("python", "benchmarks/plugin_import.py", *session.posargs)

@@ -1,0 +1,72 @@
+"""Shared fixtures. The tests run against the real verl, Ray and Hydra.
+
+They need the test backends under tests/packages installed into the same
+environment (``nox -s tests`` does it); they fail, not skip, without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_PACKAGES = ROOT / "tests" / "packages"
+REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    missing = []
+    for dist in REQUIRED:
+        try:
+            version(dist)
+        except PackageNotFoundError:
+            missing.append(dist)
+    if missing:
+        raise pytest.UsageError(
+            f"the test backends {missing} are not installed; run the tests with 'nox -s tests', "
+            f"or pip install {' '.join(str(p) for p in sorted(TEST_PACKAGES.iterdir()))}"
+        )
+
+
+def run(
+    *args: str | os.PathLike[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command and capture its output; ``env`` replaces the whole environment when given."""
+    return subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd, check=False
+    )
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``verl-remote`` console script, with ``env`` added to this environment."""
+    script = shutil.which("verl-remote", path=str(Path(sys.executable).parent))
+    assert script is not None, "the verl-remote console script is not installed in this environment"
+    return run(script, *args, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run Python code in a fresh interpreter of this environment, with ``env`` added to the environment."""
+    return run(sys.executable, "-c", code, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """A real local Ray cluster for the session, stopped at the end."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_remote import RemoteBackend, load_backend_class
+
+
+def _complete_backend(**overrides: Any) -> type[RemoteBackend]:
+    """Define a RemoteBackend subclass, with some methods replaced."""
+
+    async def update_weights(self: Any) -> None:
+        pass
+
+    async def save_checkpoint(self: Any, step: int, path: str) -> None:
+        pass
+
+    async def load_checkpoint(self: Any, step: int, path: str) -> None:
+        pass
+
+    async def destroy(self: Any) -> None:
+        pass
+
+    def from_config(cls: Any, main_config: Any, *, handle: dict[str, Any] | None = None) -> Any:
+        return cls()
+
+    namespace: dict[str, Any] = {
+        "from_config": classmethod(from_config),
+        "reconnect_handle": lambda self: {},
+        "update_weights": update_weights,
+        "save_checkpoint": save_checkpoint,
+        "load_checkpoint": load_checkpoint,
+        "destroy": destroy,
+    }
+    namespace.update(overrides)
+    return type("Backend", (RemoteBackend,), namespace)
+
+
+def test_a_complete_backend_can_be_built_and_defaults_to_many_forwarders() -> None:
+    backend = _complete_backend().from_config(None)
+    assert backend.requires_single_forwarder() is False
+
+
+@pytest.mark.parametrize(
+    "missing", ["reconnect_handle", "update_weights", "save_checkpoint", "load_checkpoint", "destroy"]
+)
+def test_every_lifecycle_method_is_abstract(missing: str) -> None:
+    cls = _complete_backend()
+    namespace = {k: v for k, v in vars(cls).items() if k != missing and not k.startswith("__")}
+    incomplete = type("Incomplete", (RemoteBackend,), namespace)
+    with pytest.raises(TypeError, match=missing):
+        incomplete()
+
+
+@pytest.mark.parametrize("method", ["update_weights", "save_checkpoint", "load_checkpoint", "destroy"])
+def test_sync_override_of_an_async_method_is_rejected_at_definition(method: str) -> None:
+    with pytest.raises(TypeError, match=rf"Backend\.{method} must be 'async def'"):
+        _complete_backend(**{method: lambda self, *args: None})
+
+
+@pytest.mark.parametrize("method", ["reconnect_handle", "requires_single_forwarder"])
+def test_async_override_of_a_sync_method_is_rejected_at_definition(method: str) -> None:
+    async def coroutine(self: Any) -> Any:
+        return {}
+
+    with pytest.raises(TypeError, match=rf"Backend\.{method} must be a plain 'def'"):
+        _complete_backend(**{method: coroutine})
+
+
+def test_from_config_must_be_a_classmethod() -> None:
+    with pytest.raises(TypeError, match="from_config must be a classmethod"):
+        _complete_backend(from_config=lambda self, config, handle=None: self)
+
+
+def test_echo_backend_lifecycle_through_a_handle(tmp_path: Path) -> None:
+    """The contract as a third-party backend implements it: build, re-attach, sync, checkpoint, destroy."""
+    config = OmegaConf.create({"remote_backend": {"name": "echo", "state_dir": str(tmp_path / "state")}})
+    cls = load_backend_class("echo")
+    driver = cls.from_config(config)
+    worker = cls.from_config(config, handle=driver.reconnect_handle())
+
+    async def lifecycle() -> None:
+        await worker.update_weights()
+        await driver.save_checkpoint(1, str(tmp_path / "ckpt"))
+        await worker.update_weights()
+        assert driver.state()["weights_version"] == 2  # type: ignore[attr-defined]
+        await driver.load_checkpoint(1, str(tmp_path / "ckpt"))
+        assert worker.state()["weights_version"] == 1  # type: ignore[attr-defined]
+        await driver.destroy()
+        await driver.destroy()
+
+    asyncio.run(lifecycle())
+    assert worker.state()["destroyed"] is True  # type: ignore[attr-defined]

@@ -1,0 +1,65 @@
+"""The verl-remote console script, run as a user runs it."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import cli
+
+
+@pytest.mark.parametrize("command", [[], ["list"], ["config"], ["doctor"]])
+def test_every_command_has_help(command: list[str]) -> None:
+    out = cli(*command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: verl-remote")
+
+
+def test_no_command_is_a_usage_error() -> None:
+    out = cli()
+    assert out.returncode == 2
+    assert "the following arguments are required: COMMAND" in out.stderr
+
+
+def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one() -> None:
+    out = cli("list")
+    assert out.returncode == 1  # broken backends are installed in the test environment
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "DISTRIBUTION", "CONFIG", "GROUP", "STATUS"]
+    rows = {line.split()[0]: line for line in lines[1:] if not line.startswith("twin")}
+    echo = rows["echo"].split()
+    assert echo == [
+        "echo",
+        "verl-remote-echo-backend",
+        "0.1.0",
+        "pkg://verl_remote_echo_backend/remote_backend/echo.yaml",
+        "ok",
+    ]
+    for name in ("broken", "mismatch", "notaspec", "badclass", "notremote", "nogroup"):
+        assert "verl-remote-broken-backend 0.2.0" in rows[name]
+        assert "error: backend '" + name + "'" in rows[name]
+    assert "ModuleNotFoundError: No module named 'verl_remote_no_such_dependency'" in rows["broken"]
+    assert "has no remote_backend/nogroup.yaml" in rows["nogroup"]
+    twins = [line for line in lines if line.startswith("twin")]
+    assert len(twins) == 2 and all("registered by 2 distributions" in line for line in twins)
+
+
+def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_worker() -> None:
+    out = cli("doctor")
+    assert out.returncode == 1
+    lines = out.stdout.splitlines()
+    expected_ok = [
+        "[ok  ] verl version is supported: verl 0.9.",
+        "[ok  ] verl loads the verl-remote plugin",
+        "[ok  ] Hydra finds the verl-remote search path plugin",
+        "[ok  ] backend echo (verl-remote-echo-backend 0.1.0) loads",
+        "[ok  ] backend echo: config group remote_backend/echo composes",
+        "[ok  ] Ray worker: verl loads the verl-remote plugin",
+        "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads",
+    ]
+    for prefix in expected_ok:
+        assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
+    for name in ("broken", "mismatch", "notaspec", "badclass", "notremote", "nogroup"):
+        for where in ("", "Ray worker: "):
+            prefix = f"[FAIL] {where}backend {name} (verl-remote-broken-backend 0.2.0) loads: backend '{name}'"
+            assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
+    assert lines[-1] == "doctor: 7 checks passed, 16 failed"

@@ -1,0 +1,112 @@
+"""Config composition through the CLI and through verl's own main_ppo entry point."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, cli, run
+from verl_remote import BackendNotFoundError, DuplicateBackendError
+from verl_remote.compose import ConfigError, compose_config
+
+
+def test_defaults_are_verls_ppo_trainer_with_no_backend_selected() -> None:
+    config = compose_config()
+    assert config.get("remote_backend") is None
+    assert config.trainer.use_v1 is True
+    assert config.actor_rollout_ref.rollout.mode == "async"
+
+
+def test_remote_backend_selects_the_group_without_plus_and_takes_verl_overrides() -> None:
+    config = compose_config(["remote_backend=echo", "remote_backend.state_dir=/tmp/x", "algorithm.adv_estimator=grpo"])
+    assert dict(config.remote_backend) == {"name": "echo", "state_dir": "/tmp/x"}
+    assert config.algorithm.adv_estimator == "grpo"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (["remote_backend=ecoh"], BackendNotFoundError, "backend 'ecoh' is not installed; installed: "),
+        (["remote_backend=twin"], DuplicateBackendError, "registered by 2 distributions"),
+        (["trainer.no_such_key=1"], ConfigError, "Could not override 'trainer.no_such_key'"),
+        (["algorithm.adv_estimator"], ConfigError, "Error parsing override 'algorithm.adv_estimator'"),
+        (
+            ["remote_backend=echo", "remote_backend.no_such_key=1"],
+            ConfigError,
+            "Could not override 'remote_backend.no_such_key'",
+        ),
+    ],
+)
+def test_bad_overrides_raise_errors_the_user_can_act_on(
+    overrides: list[str], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        compose_config(overrides)
+
+
+def test_cli_config_prints_yaml_and_rejects_bad_input_with_exit_2() -> None:
+    out = cli("config", "remote_backend=echo", "algorithm.adv_estimator=grpo")
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["remote_backend"] == {"name": "echo", "state_dir": None}
+    assert printed["algorithm"]["adv_estimator"] == "grpo"
+
+    unknown = cli("config", "remote_backend=arcitc")
+    assert unknown.returncode == 2
+    assert unknown.stdout == ""
+    assert "verl-remote config: error: backend 'arcitc' is not installed; installed: " in unknown.stderr
+    assert "echo (verl-remote-echo-backend 0.1.0)" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+    bad = cli("config", "trainer.no_such_key=1")
+    assert bad.returncode == 2
+    assert "verl-remote config: invalid config: Could not override 'trainer.no_such_key'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_a_recipe_composes_and_command_line_overrides_win(tmp_path: Path) -> None:
+    recipe = ROOT / "configs" / "cpu-small.yaml"
+    config = compose_config(["remote_backend=echo", "ray_kwargs.ray_init.num_cpus=6"], recipe=recipe)
+    assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert config.ray_kwargs.ray_init.num_cpus == 6
+    assert config.remote_backend.name == "echo"
+
+    # A recipe may choose the backend itself.
+    chooser = tmp_path / "uses_echo.yaml"
+    chooser.write_text("defaults:\n  - verl_remote\n  - override remote_backend: echo\n  - _self_\n")
+    assert compose_config([], recipe=chooser).remote_backend.name == "echo"
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        compose_config([], recipe=tmp_path / "missing.yaml")
+    out = cli("config", "--recipe", str(tmp_path / "missing.yaml"))
+    assert out.returncode == 2
+    assert "recipe" in out.stderr and "does not exist" in out.stderr
+
+
+def test_a_group_file_must_name_its_backend(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("defaults:\n  - verl_remote\n  - _self_\n")
+    # The broken distribution ships remote_backend/other.yaml with 'name: other' but no backend 'other'.
+    with pytest.raises(BackendNotFoundError, match="backend 'other' is not installed"):
+        compose_config(["remote_backend=other"], recipe=recipe)
+
+
+def test_verl_main_ppo_sees_the_same_group_with_plus() -> None:
+    out = run(
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "+remote_backend=echo",
+        "remote_backend.state_dir=/srv/x",
+        "--cfg",
+        "job",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed = yaml.safe_load(out.stdout)
+    assert printed["remote_backend"] == {"name": "echo", "state_dir": "/srv/x"}
+    ours = compose_config(["remote_backend=echo", "remote_backend.state_dir=/srv/x"])
+    assert printed["remote_backend"] == dict(ours.remote_backend)
+    assert printed["trainer"]["use_v1"] == ours.trainer.use_v1

@@ -1,0 +1,339 @@
+"""The local backend's engine: a Hugging Face causal LM that really trains and samples.
+
+It runs inside one Ray actor (see :mod:`verl_remote.backends.local.backend`) and
+owns the model, its optimizer and learning-rate schedule, and a frozen copy of
+the initial weights for reference log-probs. The policy update is verl's own:
+:func:`verl.workers.utils.losses.ppo_loss` (the clipped policy loss, entropy and
+KL terms of :mod:`verl.trainer.ppo.core_algos`) on log-probs computed here.
+
+Batches arrive packed (see :mod:`verl_remote.payload`): one flat array of token
+ids per field plus the sequence offsets, which is verl's jagged layout. Log-probs
+follow verl's convention: position ``t`` holds ``log p(token[t+1] | tokens[:t+1])``
+over the whole prompt+response sequence; the last position of each sequence is 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from verl_remote.payload import Packed, to_nested
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GenerateResult", "LocalEngine"]
+
+CHECKPOINT_FILE = "local_engine.pt"
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    log_probs: list[float] | None
+    stop_reason: str  # "completed" (EOS or length) or "aborted"
+    weights_version: int
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LocalEngine:
+    """Owns the model; every method is a complete, synchronous unit of work."""
+
+    def __init__(self, model_path: str, actor_config: dict[str, Any], settings: dict[str, Any]) -> None:
+        from omegaconf import OmegaConf
+        from transformers import AutoModelForCausalLM
+        from verl.utils.config import omega_conf_to_dataclass
+
+        torch.manual_seed(int(settings.get("seed", 0)))
+        threads = settings.get("torch_threads")
+        if threads:
+            torch.set_num_threads(int(threads))
+        self.device = _resolve_device(str(settings.get("device", "auto")))
+        dtype = getattr(torch, str(settings.get("dtype", "float32")))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        self.model.train()
+        self._reference: torch.nn.Module | None = None
+        self.actor_config = omega_conf_to_dataclass(OmegaConf.create(actor_config))
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.weights_version = 0
+        self.optimizer_steps = 0
+
+    # -- optimisation setup -------------------------------------------------------------
+
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
+        from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+        from verl.workers.config.optimizer import build_optimizer
+
+        optim = self.actor_config.optim
+        optimizer = build_optimizer(self.model.parameters(), optim)
+        total = max(int(optim.total_training_steps), 1)
+        warmup = int(optim.lr_warmup_steps)
+        if warmup <= 0:
+            warmup = int(optim.lr_warmup_steps_ratio * total)
+        if optim.lr_scheduler_type == "cosine":
+            scheduler = get_cosine_schedule_with_warmup(
+                optimizer,
+                num_warmup_steps=warmup,
+                num_training_steps=total,
+                min_lr_ratio=optim.min_lr_ratio,
+                num_cycles=optim.num_cycles,
+                zero_indexed_step=optim.zero_indexed_step,
+            )
+        else:
+            scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
+        return optimizer, scheduler
+
+    @property
+    def reference(self) -> torch.nn.Module:
+        """The initial weights, frozen: reference log-probs for KL terms."""
+        if self._reference is None:
+            raise RuntimeError("no reference model: it is captured before the first optimizer step")
+        return self._reference
+
+    def _capture_reference(self) -> None:
+        if self._reference is None:
+            self._reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    # -- forward passes -----------------------------------------------------------------
+
+    def _dense(self, input_ids: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-pad packed sequences: ids [B, L], attention mask [B, L], lengths [B]."""
+        values = torch.from_numpy(input_ids.values)
+        offsets = torch.from_numpy(input_ids.offsets)
+        lengths = offsets.diff()
+        batch, width = len(lengths), int(lengths.max())
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        mask = torch.arange(width).expand(batch, width) < lengths[:, None]
+        ids[mask] = values.long()
+        return ids.to(self.device), mask.to(self.device), lengths
+
+    def _token_log_probs(
+        self, model: torch.nn.Module, input_ids: Packed, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat predict-next log-probs (and entropy) in the packed layout of ``input_ids``."""
+        ids, mask, lengths = self._dense(input_ids)
+        logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
+        logits = logits / max(temperature, 1e-6)
+        log_softmax = F.log_softmax(logits, dim=-1)
+        next_ids = torch.roll(ids, shifts=-1, dims=1)
+        dense_lp = log_softmax.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+        # The last real position of each sequence predicts nothing: 0, as in verl.
+        last = torch.arange(ids.shape[1], device=ids.device)[None, :] >= (lengths.to(ids.device) - 1)[:, None]
+        dense_lp = dense_lp.masked_fill(last, 0.0)
+        entropy = None
+        if with_entropy:
+            dense_ent = -(log_softmax.exp() * log_softmax).sum(-1).masked_fill(last, 0.0)
+            entropy = dense_ent[mask]
+        return dense_lp[mask], entropy
+
+    @torch.no_grad()
+    def compute_log_prob(
+        self, input_ids: Packed, temperature: float, calculate_entropy: bool, reference: bool
+    ) -> dict[str, np.ndarray]:
+        """Log-probs (and entropy) of every sequence, flat in the packed layout."""
+        if reference:
+            self._capture_reference()
+        model = self.reference if reference else self.model
+        was_training = model.training
+        model.eval()
+        try:
+            lp, ent = self._token_log_probs(model, input_ids, temperature, calculate_entropy)
+        finally:
+            model.train(was_training)
+        out = {"log_probs": lp.cpu().numpy()}
+        out["entropy"] = (ent if ent is not None else torch.zeros_like(lp)).cpu().numpy()
+        return out
+
+    def forward_backward(self, batch: dict[str, Packed], meta: dict[str, Any]) -> dict[str, float]:
+        """verl's PPO loss on one mini-batch, backward; gradients accumulate until :meth:`optimizer_step`.
+
+        ``batch`` holds packed ``input_ids``, ``prompts``, ``responses`` and the
+        response-aligned ``response_mask``, ``old_log_probs``, ``advantages`` and,
+        when present, ``ref_log_prob`` and ``rollout_is_weights``. ``meta`` holds
+        ``temperature``, ``calculate_entropy`` and verl's global batch info
+        (``dp_size``, ``batch_num_tokens``, ``global_batch_size``).
+        """
+        from tensordict import TensorDict
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.metric import Metric
+        from verl.workers.utils.losses import ppo_loss
+
+        self._capture_reference()  # before the first update, so the reference is the initial model
+        log_probs, entropy = self._token_log_probs(
+            self.model, batch["input_ids"], float(meta["temperature"]), bool(meta["calculate_entropy"])
+        )
+        layout = batch["input_ids"]
+        model_output = {"log_probs": _jagged(log_probs, layout)}
+        if entropy is not None:
+            model_output["entropy"] = _jagged(entropy, layout)
+        fields = {key: to_nested(value) for key, value in batch.items()}
+        size = len(batch["input_ids"].offsets) - 1
+        data = TensorDict(fields, batch_size=[size])
+        tu.assign_non_tensor(
+            data,
+            dp_size=int(meta["dp_size"]),
+            batch_num_tokens=meta["batch_num_tokens"],
+            global_batch_size=meta["global_batch_size"],
+        )
+        loss, metrics = ppo_loss(self.actor_config, model_output, data)
+        loss.backward()
+        out: dict[str, float] = {"loss": float(loss.detach())}
+        for key, value in metrics.items():
+            value = value.aggregate() if isinstance(value, Metric) else value
+            out[key.removeprefix("actor/")] = float(value.detach() if torch.is_tensor(value) else value)
+        return out
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, zero the gradients. Returns grad_norm and the learning rate used."""
+        clip = float(self.actor_config.optim.clip_grad or 0.0) or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=clip)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            log.warning("grad_norm is not finite (%s); skipping this optimizer step", grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule by one global step (verl steps it once per training step)."""
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    # -- sampling -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        logprobs: bool,
+        stop_token_ids: list[int],
+    ) -> GenerateResult:
+        """Sample a response token by token with a KV cache; greedy when temperature is 0."""
+        self.model.eval()
+        try:
+            ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+            past = None
+            tokens: list[int] = []
+            token_log_probs: list[float] = []
+            for _ in range(max_tokens):
+                out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logits = out.logits[0, -1].float()
+                token, lp = _sample(logits, temperature, top_p, top_k)
+                tokens.append(token)
+                token_log_probs.append(lp)
+                if token in stop_token_ids:
+                    break
+                ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        finally:
+            self.model.train()
+        return GenerateResult(tokens, token_log_probs if logprobs else None, "completed", self.weights_version)
+
+    def update_weights(self) -> int:
+        """Sampling uses the training model itself: publishing new weights is a version bump."""
+        self.weights_version += 1
+        return self.weights_version
+
+    # -- state ------------------------------------------------------------------------------
+
+    def save(self, path: str) -> str:
+        """Write model, optimizer, schedule and counters to ``path`` atomically."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            state = {
+                "model": self.model.state_dict(),
+                "reference": None if self._reference is None else self._reference.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "weights_version": self.weights_version,
+                "optimizer_steps": self.optimizer_steps,
+                "torch_rng": torch.get_rng_state(),
+            }
+            torch.save(state, staging / CHECKPOINT_FILE)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return str(target)
+
+    def load(self, path: str) -> None:
+        """Restore what :meth:`save` wrote."""
+        file = Path(path) / CHECKPOINT_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"no local-engine checkpoint at {file}")
+        state = torch.load(file, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        if state["reference"] is not None:
+            self._capture_reference()
+            self.reference.load_state_dict(state["reference"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.weights_version = int(state["weights_version"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def device_name(self) -> str:
+        """The device's name as verl's FLOPs table knows it ("CPU", or the CUDA device name)."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
+
+    def weights_checksum(self) -> str:
+        """SHA-256 over the model's parameters, in name order (tests compare runs with it)."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+
+def _jagged(values: torch.Tensor, layout: Packed) -> torch.Tensor:
+    """``values`` (keeping their autograd graph) in the rows of ``layout``."""
+    lengths = layout.lengths
+    offsets = torch.from_numpy(layout.offsets).to(values.device)
+    return torch.nested.nested_tensor_from_jagged(
+        values, offsets, min_seqlen=int(lengths.min()), max_seqlen=int(lengths.max())
+    )
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[int, float]:
+    """One token from ``logits`` and its log-prob under the temperature-scaled distribution."""
+    if temperature <= 0:
+        log_probs = F.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logits))
+        return token, float(log_probs[token])
+    scaled = logits / temperature
+    log_probs = F.log_softmax(scaled, dim=-1)
+    filtered = scaled.clone()
+    if top_k and top_k > 0:
+        kth = torch.topk(filtered, min(top_k, filtered.numel())).values[-1]
+        filtered[filtered < kth] = float("-inf")
+    if 0 < top_p < 1:
+        sorted_logits, order = torch.sort(filtered, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
+        filtered[order[drop]] = float("-inf")
+    token = int(torch.multinomial(torch.softmax(filtered, dim=-1), 1))
+    return token, float(log_probs[token])

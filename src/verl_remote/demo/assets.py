@@ -1,0 +1,154 @@
+"""Everything the no-argument demo needs, made locally: nothing is downloaded.
+
+- a word-level tokenizer trained with ``tokenizers`` on a synthetic corpus,
+  with a chat template (verl applies it to every prompt);
+- a tiny Llama-architecture causal LM with random weights. Not Qwen: transformers 5
+  replaces the tokenizer of a qwen2 model directory with its own BPE class, and verl's
+  agent loop expects Qwen's own tokenizer for qwen2/qwen3 model types;
+- train and validation parquet files in verl's RL dataset format for the
+  "say N" task: the prompt names a digit, the reward is the fraction of the
+  response's words that are that digit (see :mod:`verl_remote.demo.reward`).
+
+Assets are written once into a cache directory (atomically, so an interrupted
+first run leaves nothing half-written) and reused.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["DEMO_VERSION", "DemoAssets", "default_cache_dir", "ensure_demo_assets"]
+
+# Bump when the assets change, so old caches are not reused.
+DEMO_VERSION = "2"
+DIGITS = [str(d) for d in range(10)]
+FILLER = ["the", "a", "number", "is", "and", "ok", "yes", "no"]
+SPECIAL = ["<pad>", "<unk>", "<|im_end|>"]
+DATA_SOURCE = "verl_remote/say_digit"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class DemoAssets:
+    root: Path
+
+    @property
+    def model_path(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def train_file(self) -> Path:
+        return self.root / "data" / "train.parquet"
+
+    @property
+    def val_file(self) -> Path:
+        return self.root / "data" / "val.parquet"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "verl-remote" / f"demo-v{DEMO_VERSION}"
+
+
+def _corpus(rng: random.Random, lines: int) -> list[str]:
+    words = DIGITS + FILLER + ["say", "user:", "assistant:"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(lines)]
+
+
+def _make_tokenizer(path: Path, seed: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL)
+    tokenizer.train_from_iterator(_corpus(random.Random(seed), 2000), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def _make_model(path: Path, seed: int) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+
+
+def _make_dataset(train: Path, val: Path, seed: int) -> None:
+    import pandas as pd
+
+    rng = random.Random(seed)
+
+    def rows(count: int, split: str) -> list[dict[str, object]]:
+        out = []
+        for index in range(count):
+            digit = rng.choice(DIGITS)
+            out.append(
+                {
+                    "data_source": DATA_SOURCE,
+                    "prompt": [{"role": "user", "content": f"say {digit}"}],
+                    "ability": "copy",
+                    "reward_model": {"style": "rule", "ground_truth": digit},
+                    "extra_info": {"split": split, "index": index},
+                }
+            )
+        return out
+
+    train.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows(512, "train")).to_parquet(train)
+    pd.DataFrame(rows(32, "val")).to_parquet(val)
+
+
+def ensure_demo_assets(cache_dir: Path | None = None, seed: int = 0) -> DemoAssets:
+    """Create the demo's tokenizer, model and data under ``cache_dir`` unless already there."""
+    root = (cache_dir or default_cache_dir()).expanduser().resolve()
+    assets = DemoAssets(root)
+    if (root / "COMPLETE").is_file():
+        return assets
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root.parent))
+    try:
+        staged = DemoAssets(staging)
+        _make_tokenizer(staged.model_path, seed)
+        _make_model(staged.model_path, seed)
+        _make_dataset(staged.train_file, staged.val_file, seed)
+        (staging / "COMPLETE").write_text(DEMO_VERSION)
+        if root.exists():  # an incomplete earlier attempt
+            shutil.rmtree(root)
+        os.replace(staging, root)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return assets

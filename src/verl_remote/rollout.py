@@ -1,0 +1,151 @@
+"""The rollout replica: answers verl's generation requests from the backend.
+
+verl's agent loops send each generation request to a replica's server actor
+(``server.generate(prompt_ids=..., sampling_params=..., request_id=...)``) and
+expect verl's ``TokenOutput`` back, tagged with the weights version
+(``extra_fields["global_steps"]``). :class:`RemoteRolloutReplica` starts one
+CPU-only server actor; :class:`RemoteRolloutServer` does verl's part of the
+contract (token budget, sampling parameters, version tags, the sleep/wake calls
+verl makes every step) and leaves one method to a backend:
+:meth:`RemoteRolloutServer.sample`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import ray
+from omegaconf import OmegaConf
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+
+from verl_remote.backend import RemoteBackend
+from verl_remote.registry import load_backend_class
+from verl_remote.worker import backend_context
+
+__all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult"]
+
+
+@dataclass
+class SampleResult:
+    """What a backend returns for one generation request."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None = None
+    #: "completed" (stop token or budget reached) or "aborted", as verl expects.
+    stop_reason: str = "completed"
+
+
+class RemoteRolloutServer:
+    """Runs as an async Ray actor; re-attaches to the backend through its handle."""
+
+    def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
+        self.config = rollout_config
+        self.replica_rank = replica_rank
+        name, handle, shared = backend_context(rollout_config)
+        main_config = OmegaConf.merge(shared, {"actor_rollout_ref": {"model": model_config}})
+        self.backend: RemoteBackend = load_backend_class(name).from_config(main_config, handle=handle)
+        self.global_steps = 0
+        self.stop_token_ids = _stop_token_ids(str(model_config.path))
+
+    async def ready(self) -> bool:
+        return True
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = int(global_steps)
+
+    def max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
+        """verl's token budget: the response length, capped by prompt+response and the model length."""
+        room = int(self.config.max_model_len or (self.config.prompt_length + self.config.response_length)) - prompt_len
+        if room < 1:
+            raise ValueError(f"prompt of {prompt_len} tokens leaves no room to generate (max_model_len)")
+        budget = sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens")
+        if budget is None:
+            budget = min(self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len)
+        return max(1, min(int(budget), room))
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Any = None,
+        video_data: Any = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        if image_data or video_data:
+            raise ValueError("verl-remote's rollout replica serves text prompts only")
+        prompt_ids = [int(t) for t in prompt_ids]
+        result = await self.sample(prompt_ids, self.max_tokens(len(prompt_ids), sampling_params), sampling_params)
+        return TokenOutput(
+            token_ids=result.token_ids,
+            log_probs=result.log_probs,
+            stop_reason=result.stop_reason,
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
+        """Sample one response from the backend.
+
+        ``sampling_params`` as verl sends them: ``temperature``, ``top_p``,
+        ``top_k``, ``repetition_penalty`` and ``logprobs`` (whether per-token
+        log-probs are wanted). ``self.stop_token_ids`` are the model's EOS ids.
+        """
+        raise NotImplementedError
+
+    # verl calls these on every replica; a backend whose sampler holds memory
+    # between steps (a KV cache on the trainer's GPUs) overrides sleep/wake_up.
+    async def sleep(self) -> None: ...
+    async def wake_up(self, tags: Any = None) -> None: ...
+    async def clear_kv_cache(self) -> None: ...
+    async def release_kv_cache(self) -> None: ...
+    async def resume_kv_cache(self) -> None: ...
+    async def abort_all_requests(self, reject_request: bool = False) -> None: ...
+    async def resume_generation(self) -> None: ...
+    async def start_profile(self, **kwargs: Any) -> None: ...
+    async def stop_profile(self) -> None: ...
+
+
+class RemoteRolloutReplica(RolloutReplica):  # type: ignore[misc]
+    """One server actor per replica, no GPU; set :attr:`server_class` in a subclass."""
+
+    server_class: ClassVar[type[RemoteRolloutServer]] = RemoteRolloutServer
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def init_standalone(self) -> None:
+        self.rollout_mode = RolloutMode.STANDALONE
+        await self.launch_servers()
+
+    async def init_colocated(self, resource_pool: Any) -> None:
+        self.rollout_mode = RolloutMode.COLOCATED
+        await self.launch_servers()
+
+    async def launch_servers(self) -> None:
+        server = (
+            ray.remote(self.server_class)
+            .options(num_cpus=0, max_concurrency=self.max_concurrency)
+            .remote(self.config, self.model_config, self.replica_rank)
+        )
+        await server.ready.remote()
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"verl-remote://replica/{self.replica_rank}{self.name_suffix}"
+
+
+def _stop_token_ids(model_path: str) -> list[int]:
+    """The model's EOS ids: the tokenizer's, and the generation config's when it has more."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    return sorted(ids)

@@ -1,0 +1,144 @@
+"""``verl-remote train``: prepare the composed config and run verl's trainer on the backend.
+
+The driver does what verl's ``run_ppo`` does (start Ray with verl's runtime
+environment, run the TaskRunner actor) and two things it cannot: on Ctrl-C it
+asks the TaskRunner to destroy the backend before Ray is torn down, and it
+returns the run's reward history for the final summary line.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+__all__ = ["DEMO_PREFIX", "RunSummary", "prepare_config", "run"]
+
+log = logging.getLogger(__name__)
+
+#: Config values starting with this name an asset of the built-in demo, made on first use.
+DEMO_PREFIX = "verl-remote://demo/"
+
+
+@dataclass
+class RunSummary:
+    """What the TaskRunner reports back: the mean reward of every training step, in order."""
+
+    rewards: list[float] = field(default_factory=list)
+    first_step: int = 1
+
+    def line(self, window: int = 3) -> str:
+        if not self.rewards:
+            return "verl-remote: no training step ran"
+        head, tail = self.rewards[:window], self.rewards[-window:]
+        last_step = self.first_step + len(self.rewards) - 1
+        return (
+            f"verl-remote: {len(self.rewards)} steps ({self.first_step}-{last_step}); mean reward "
+            f"{sum(head) / len(head):.3f} over the first {len(head)}, "
+            f"{sum(tail) / len(tail):.3f} over the last {len(tail)}"
+        )
+
+
+def _demo_values(config: DictConfig) -> Iterator[tuple[Any, Any, str]]:
+    """(container, key, value) for every string value naming a demo asset."""
+    stack: list[Any] = [config]
+    while stack:
+        node = stack.pop()
+        items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else enumerate(node)
+        for key, value in items:
+            if isinstance(value, DictConfig | ListConfig):
+                stack.append(value)
+            elif isinstance(value, str) and value.startswith(DEMO_PREFIX):
+                yield node, key, value
+
+
+def resolve_demo_assets(config: DictConfig) -> bool:
+    """Replace ``verl-remote://demo/...`` values with the demo's files, creating them once."""
+    found = list(_demo_values(config))
+    if not found:
+        return False
+    from pathlib import Path
+
+    from verl_remote.demo import reward
+    from verl_remote.demo.assets import ensure_demo_assets
+
+    print("verl-remote: preparing the demo's model, tokenizer and data (once, then cached) ...", flush=True)
+    assets = ensure_demo_assets()
+    paths = {
+        "model": assets.model_path,
+        "train.parquet": assets.train_file,
+        "val.parquet": assets.val_file,
+        "reward.py": Path(reward.__file__),
+    }
+    with open_dict(config):
+        for node, key, value in found:
+            name = value.removeprefix(DEMO_PREFIX)
+            if name not in paths:
+                raise ValueError(f"unknown demo asset {value!r}; known: {', '.join(DEMO_PREFIX + n for n in paths)}")
+            node[key] = str(paths[name])
+    return True
+
+
+def prepare_config(config: DictConfig) -> DictConfig:
+    """Demo assets, verl's own validation, and the settings verl-remote cannot run without."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from verl_remote.trainer import MODE, ROLLOUT_NAME
+
+    if config.get("remote_backend") is None:
+        raise ValueError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
+    if config.trainer.v1.trainer_mode != MODE:
+        raise ValueError(f"trainer.v1.trainer_mode must be '{MODE}' for verl-remote (got {config.trainer.v1.trainer_mode!r})")
+    if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name must be '{ROLLOUT_NAME}' for verl-remote "
+            f"(got {config.actor_rollout_ref.rollout.name!r}): the backend samples the rollouts"
+        )
+    resolve_demo_assets(config)
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    return config
+
+
+def _ray_init(config: DictConfig) -> None:
+    """Start Ray as verl's run_ppo does: its runtime environment, then the config's ray_init kwargs."""
+    import ray
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    if ray.is_initialized():
+        return
+    ray_init = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True)
+    assert isinstance(ray_init, dict)
+    runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), ray_init.pop("runtime_env", None) or {})
+    ray.init(runtime_env=OmegaConf.to_container(runtime_env), **ray_init)
+
+
+def run(config: DictConfig) -> RunSummary:
+    """Run training to the end; the backend is destroyed on every way out."""
+    import ray
+
+    from verl_remote.trainer import RemoteTaskRunner
+
+    _ray_init(config)
+    runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
+    result = runner.run.remote(config)
+    try:
+        summary: RunSummary = ray.get(result)
+        return summary
+    except KeyboardInterrupt:
+        # A second Ctrl-C while the backend shuts down would leave it running: ignore it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("\nverl-remote: interrupted; destroying the backend ...", file=sys.stderr, flush=True)
+        try:
+            ray.get(runner.destroy_backend.remote(), timeout=300)
+        except Exception as exc:
+            print(f"verl-remote: destroying the backend failed: {exc}", file=sys.stderr)
+        raise
+    finally:
+        ray.shutdown()

@@ -1,0 +1,189 @@
+"""verl's sync PPO trainer, with CPU-only forwarder workers in front of a remote backend.
+
+Everything here goes through seams that stock verl 0.9.x has; nothing in verl is
+patched or copied. The seams, and what each one is used for:
+
+- ``register_trainer("remote")`` + ``trainer.v1.trainer_mode=remote``: verl's
+  TaskRunner builds :class:`RemotePPOTrainer` instead of its own sync trainer.
+  Once selected it presents itself as ``"sync"``, because verl switches to its
+  asynchronous code paths (replay buffer, TransferQueue checkpoints) for any
+  other mode name.
+- ``PPOTrainer._init_resource_pool_mgr`` (private; checked against verl 0.9.1):
+  the actor/rollout/ref worker class becomes the backend's forwarder worker and
+  the resource pools become CPU-only. verl's own ``separate_async`` trainer
+  overrides the same method the same way.
+- ``actor_rollout_ref.rollout.custom`` (verl's extension field): carries the
+  backend's name, reconnect handle and settings to every forwarder and replica.
+- ``RolloutReplicaRegistry.register("verl_remote", ...)`` +
+  ``actor_rollout_ref.rollout.name=verl_remote``: verl's rollout servers become the
+  backend's rollout replica.
+- ``on_init_end`` / ``on_step_end``: after verl's weight sync (which calls the
+  forwarder's ``update_weights``), the replicas learn the new weights version.
+
+The backend is built once, here, in verl's TaskRunner process, and destroyed
+exactly once whatever ends the run (see :class:`RemoteTaskRunner`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf, open_dict
+from verl.single_controller.ray.base import RayResourcePool, ResourcePoolManager
+from verl.trainer.main_ppo import TaskRunnerV1
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+from verl_remote.backend import RemoteBackend
+from verl_remote.registry import load_backend_class, load_rollout_class, load_worker_class
+from verl_remote.train import RunSummary
+
+__all__ = ["CUSTOM_KEY", "MODE", "ROLLOUT_NAME", "RemotePPOTrainer", "RemoteTaskRunner", "SingleForwarderError"]
+
+log = logging.getLogger(__name__)
+
+MODE = "remote"  # trainer.v1.trainer_mode
+ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
+CUSTOM_KEY = "verl_remote"  # key inside actor_rollout_ref.rollout.custom
+# Sections of the run config that forwarders and replicas receive, besides
+# actor_rollout_ref which verl already gives them.
+SHARED_SECTIONS = ("remote_backend", "data", "trainer", "algorithm")
+# The per-step metric the run summary reports (verl's mean sequence score).
+REWARD_METRIC = "critic/score/mean"
+
+
+class SingleForwarderError(ValueError):
+    """The backend needs one forwarder but the layout asks for more."""
+
+
+class CPUResourcePoolManager(ResourcePoolManager):
+    """verl's pool manager, but with CPU-only bundles of one logical CPU each.
+
+    verl's ``create_resource_pool`` hard-codes GPU bundles and refuses to start
+    without GPUs; forwarders never need one.
+    """
+
+    def create_resource_pool(self) -> None:
+        for name, process_on_nodes in self.resource_pool_spec.items():
+            self.resource_pool_dict[name] = RayResourcePool(
+                process_on_nodes=process_on_nodes, use_gpu=False, max_colocate_count=1, name_prefix=name
+            )
+
+
+def _shared_config(config: DictConfig) -> str:
+    """The shared sections as YAML text: verl turns nested dicts with a ``_target_`` in the
+    rollout config into dataclasses, and a string passes through untouched."""
+    shared = {key: OmegaConf.to_container(config[key], resolve=True) for key in SHARED_SECTIONS if key in config}
+    return OmegaConf.to_yaml(shared)
+
+
+@register_trainer(MODE)
+class RemotePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
+    """verl's sync trainer driving a :class:`~verl_remote.RemoteBackend`."""
+
+    def __init__(self, config: DictConfig) -> None:
+        self.backend_name = str(config.remote_backend.name)
+        self.summary = RunSummary()
+        self._destroy_lock = threading.Lock()
+        self._destroyed = False
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = "sync"
+        self.backend: RemoteBackend = load_backend_class(self.backend_name).from_config(config)
+        try:
+            forwarders = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+            if self.backend.requires_single_forwarder() and forwarders != 1:
+                raise SingleForwarderError(
+                    f"backend '{self.backend_name}' needs exactly one forwarder worker, but "
+                    f"trainer.n_gpus_per_node * trainer.nnodes = {forwarders}: "
+                    "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
+                )
+            with open_dict(config):
+                existing = config.actor_rollout_ref.rollout.get("custom")
+                custom = OmegaConf.to_container(existing) if existing is not None else {}
+                custom[CUSTOM_KEY] = {
+                    "backend": self.backend_name,
+                    "handle": self.backend.reconnect_handle(),
+                    "config": _shared_config(config),
+                }
+                config.actor_rollout_ref.rollout.custom = custom
+            super().__init__(config)
+        except BaseException:
+            self.destroy_backend()
+            raise
+
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()
+        worker_cls = ray.remote(load_worker_class(self.backend_name))
+        for role in list(self.role_worker_mapping):
+            if role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor, Role.RefPolicy):
+                self.role_worker_mapping[role] = worker_cls
+            else:
+                raise ValueError(
+                    f"verl-remote runs the actor, rollout and reference roles on the backend; "
+                    f"role {role} is not supported: disable the critic (use a critic-free estimator such as "
+                    "algorithm.adv_estimator=grpo) and the reward model (reward.reward_model.enable=false)"
+                )
+        self.resource_pool_manager = CPUResourcePoolManager(
+            resource_pool_spec=self.resource_pool_manager.resource_pool_spec, mapping=self.mapping
+        )
+
+    def _publish_weights_version(self) -> None:
+        """Tell every rollout server which training step its weights come from."""
+        servers = [server for replica in self.llm_server_manager.get_replicas() for server in replica.servers]
+        ray.get([server.set_global_steps.remote(self.global_steps) for server in servers])
+
+    def _compute_metrics(self, batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        result = super()._compute_metrics(batch, metrics, *args, **kwargs)
+        if REWARD_METRIC in metrics:
+            if not self.summary.rewards:
+                self.summary.first_step = int(self.global_steps)
+            self.summary.rewards.append(float(metrics[REWARD_METRIC]))
+        return result
+
+    def on_init_end(self, **kwargs: Any) -> None:
+        super().on_init_end(**kwargs)
+        self._publish_weights_version()
+
+    def on_step_end(self, **kwargs: Any) -> None:
+        super().on_step_end(**kwargs)
+        self._publish_weights_version()
+
+    def destroy_backend(self) -> None:
+        """Destroy the backend once; later calls do nothing. Safe from any thread."""
+        with self._destroy_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+        log.info("verl-remote: destroying backend '%s'", self.backend_name)
+        asyncio.run(self.backend.destroy())
+
+
+@ray.remote
+class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):  # type: ignore[misc,name-defined]
+    """verl's V1 TaskRunner that registers verl-remote's replica and always destroys the backend.
+
+    Started with ``max_concurrency=2`` by the CLI, so that ``destroy_backend``
+    can run while ``run`` is still busy (Ctrl-C on the driver).
+    """
+
+    def run(self, config: DictConfig) -> RunSummary:
+        name = str(config.remote_backend.name)
+        RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: load_rollout_class(name))
+        try:
+            super().run(config)
+        finally:
+            self.destroy_backend()
+        return self.trainer.summary if isinstance(self.trainer, RemotePPOTrainer) else RunSummary()
+
+    def destroy_backend(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        if isinstance(trainer, RemotePPOTrainer):
+            trainer.destroy_backend()
+            return True
+        return False

@@ -1,0 +1,225 @@
+"""The forwarder worker: verl's actor/rollout/ref worker-group surface on a CPU.
+
+verl's V1 trainer drives a worker group through a handful of methods with
+unwritten contracts (which dispatch meshes exist, what ``compute_log_prob``
+returns and in which layout, which metrics ``update_actor`` must report, that
+``update_weights`` is non-blocking). :class:`RemoteForwarderWorker` carries all
+of that once. A backend's worker subclasses it and maps four calls to its
+service: :meth:`~RemoteForwarderWorker.backend_log_probs`,
+:meth:`~RemoteForwarderWorker.backend_forward_backward`,
+:meth:`~RemoteForwarderWorker.backend_optimizer_step` and, optionally,
+:meth:`~RemoteForwarderWorker.backend_end_of_step`.
+
+Lifecycle calls (weight sync, checkpoints) go to the :class:`~verl_remote.RemoteBackend`
+contract, from rank 0 only, so that more than one forwarder never syncs or
+saves twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDict
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+
+from verl_remote.backend import RemoteBackend
+from verl_remote.registry import load_backend_class
+
+__all__ = ["RemoteForwarderWorker", "backend_context"]
+
+log = logging.getLogger(__name__)
+
+CUSTOM_KEY = "verl_remote"  # the trainer puts the backend's name, handle and settings here
+
+
+def backend_context(rollout_config: Any) -> tuple[str, dict[str, Any], DictConfig]:
+    """``(backend name, reconnect handle, config)`` from verl's rollout config in a worker or replica.
+
+    The config holds the run's ``remote_backend``, ``data``, ``trainer`` and
+    ``algorithm`` sections as composed on the driver.
+    """
+    custom = rollout_config.get("custom") if hasattr(rollout_config, "get") else rollout_config.custom
+    entry = (custom or {}).get(CUSTOM_KEY)
+    if entry is None:
+        raise RuntimeError(
+            "this worker was started without verl-remote's backend handle: run it through 'verl-remote train' "
+            "(trainer.v1.trainer_mode=remote)"
+        )
+    return str(entry["backend"]), dict(entry["handle"]), OmegaConf.create(str(entry["config"]))
+
+
+class RemoteForwarderWorker(Worker):  # type: ignore[misc]
+    """Base class of a backend's forwarder worker (one Ray process, no GPU)."""
+
+    def __init__(self, config: DictConfig, role: str, distillation_config: Any = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.role = role
+        self.backend_name, handle, shared = backend_context(config.rollout)
+        main_config = OmegaConf.merge(shared, {"actor_rollout_ref": config})
+        self.backend: RemoteBackend = load_backend_class(self.backend_name).from_config(main_config, handle=handle)
+        self._flops = _flops_counter(str(config.model.path))
+
+    # -- verl's worker-group surface -------------------------------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        # One forwarder per dp rank; every rank returns its share of the results.
+        for mesh in ("actor", "ref", "rollout"):
+            self._register_dispatch_collect_info(mesh, dp_rank=self.rank, is_collect=True)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob(self, data: TensorDict) -> TensorDict:
+        return self._log_probs(data, reference=False)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
+    def compute_ref_log_prob(self, data: TensorDict) -> TensorDict:
+        return self._log_probs(data, reference=True)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def update_actor(self, data: TensorDict) -> TensorDict:
+        start = time.perf_counter()
+        mini_batch_size = int(tu.get(data, "mini_batch_size"))
+        epochs = int(tu.get(data, "epochs", 1))
+        seed = tu.get(data, "seed")
+        dataloader_kwargs = tu.get(data, "dataloader_kwargs") or {}
+        meta = {
+            "temperature": float(tu.get(data, "temperature", 1.0)),
+            "calculate_entropy": bool(tu.get(data, "calculate_entropy", False)),
+            "dp_size": self.world_size,
+        }
+        tensors = data.select(*[k for k, v in data.items() if _is_tensor(v)])
+        per_rank = max(mini_batch_size // self.world_size, 1)
+        metrics: dict[str, list[float]] = {}
+        for mini_batch in tu.make_iterator(
+            tensors, mini_batch_size=per_rank, epochs=epochs, seed=seed, dataloader_kwargs=dataloader_kwargs
+        ):
+            # verl's loss normalises by the global mini-batch, as its own workers do.
+            meta["batch_num_tokens"] = int(mini_batch["response_mask"].values().sum()) * self.world_size
+            meta["global_batch_size"] = mini_batch_size
+            for key, value in self.backend_forward_backward(mini_batch, dict(meta)).items():
+                metrics.setdefault(key, []).append(float(value))
+            for key, value in self.backend_optimizer_step().items():
+                metrics.setdefault(key, []).append(float(value))
+        lr = self.backend_end_of_step()
+        if lr is not None:
+            metrics["lr"] = [lr]
+        elapsed = time.perf_counter() - start
+        seqlens = data["input_ids"].offsets().diff().tolist()
+        out: dict[str, Any] = {key: values for key, values in metrics.items()}
+        out["mfu"] = self._mfu(seqlens, elapsed, epochs)
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": out})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int | None = None, mode: str = "naive") -> None:
+        if self.rank == 0:
+            await self.backend.update_weights()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def save_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> None:
+        if self.rank == 0:
+            os.makedirs(local_path, exist_ok=True)
+            await self.backend.save_checkpoint(int(global_step), local_path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
+    ) -> None:
+        if self.rank == 0:
+            await self.backend.load_checkpoint(_step_of(local_path), local_path)
+
+    # -- what a backend's worker implements ------------------------------------------------
+
+    def backend_log_probs(
+        self, data: TensorDict, *, temperature: float, calculate_entropy: bool, reference: bool
+    ) -> tuple[Any, Any]:
+        """Jagged ``(log_probs, entropy)`` over each row of ``data["input_ids"]``.
+
+        Position ``t`` holds ``log p(input_ids[t+1])``; the last position of a row
+        is 0. ``entropy`` may be zeros when not asked for.
+        """
+        raise NotImplementedError
+
+    def backend_forward_backward(self, mini_batch: TensorDict, meta: dict[str, Any]) -> dict[str, float]:
+        """One forward-backward pass of verl's actor loss on ``mini_batch``; returns its metrics.
+
+        ``meta``: ``temperature``, ``calculate_entropy``, ``dp_size``,
+        ``batch_num_tokens`` and ``global_batch_size`` (for verl's loss aggregation).
+        """
+        raise NotImplementedError
+
+    def backend_optimizer_step(self) -> dict[str, float]:
+        """Apply the accumulated gradients; returns at least ``grad_norm`` and ``lr``."""
+        raise NotImplementedError
+
+    def backend_end_of_step(self) -> float | None:
+        """Called once per training step after the last mini-batch (the LR schedule steps here)."""
+        return None
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _log_probs(self, data: TensorDict, *, reference: bool) -> TensorDict:
+        log_probs, entropy = self.backend_log_probs(
+            data,
+            temperature=float(tu.get(data, "temperature", 1.0)),
+            calculate_entropy=bool(tu.get(data, "calculate_entropy", not reference)),
+            reference=reference,
+        )
+        return tu.get_tensordict(tensor_dict={"log_probs": log_probs, "entropy": entropy}, non_tensor_dict={})
+
+    def backend_device_name(self) -> str | None:
+        """The accelerator the backend trains on ("NVIDIA H100 80GB HBM3", "CPU"), for MFU; None: unknown."""
+        return None
+
+    def _mfu(self, seqlens: list[int], elapsed: float, epochs: int) -> float:
+        """Model FLOPs utilisation of the backend's device, as verl computes it for its own workers.
+
+        verl's ``FlopsCounter.estimate_flops`` asks torch in *this* process for the
+        device, which on a CPU-only forwarder is wrong; so the estimate uses verl's
+        per-architecture formula and the peak comes from the backend's device name.
+        """
+        device = self.backend_device_name()
+        if self._flops is None or elapsed <= 0 or device is None:
+            return 0.0
+        from verl.utils.flops_counter import ESTIMATE_FUNC, get_device_flops
+
+        estimate = ESTIMATE_FUNC.get(self._flops.config.model_type)
+        if estimate is None:
+            return 0.0
+        achieved = estimate(self._flops.config, sum(seqlens), seqlens, elapsed) * epochs
+        peak = get_device_flops(device_name=device)
+        return float(achieved / peak / self.world_size) if 0 < peak < float("inf") else 0.0
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _step_of(path: str) -> int:
+    match = re.search(r"global_step_(\d+)", path)
+    if match is None:
+        raise ValueError(f"cannot tell the training step of checkpoint path {path!r} (no 'global_step_N' in it)")
+    return int(match.group(1))
+
+
+def _flops_counter(model_path: str) -> Any:
+    """verl's FlopsCounter for the model, or None when its config cannot be read here."""
+    try:
+        from transformers import AutoConfig
+        from verl.utils.flops_counter import FlopsCounter
+
+        return FlopsCounter(AutoConfig.from_pretrained(model_path))
+    except Exception as exc:  # a remote-only model id, an unknown architecture
+        log.warning("verl-remote: no MFU for %s (%s); reporting 0", model_path, exc)
+        return None

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_PACKAGES = ROOT / "tests" / "packages"
-REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend")
+REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend", "verl-remote-faulty-backend")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,11 +48,13 @@ def run(
     )
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the installed ``verl-remote`` console script, with ``env`` added to this environment."""
     script = shutil.which("verl-remote", path=str(Path(sys.executable).parent))
     assert script is not None, "the verl-remote console script is not installed in this environment"
-    return run(script, *args, env={**os.environ, **(env or {})}, timeout=timeout)
+    return run(script, *args, env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd)
 
 
 def python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:

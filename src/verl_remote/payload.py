@@ -53,7 +53,8 @@ def pack(tensor: Any) -> Packed:
 
 def pack_fields(data: Any, keys: Iterable[str]) -> dict[str, Packed]:
     """The given keys of a TensorDict, packed; keys absent from ``data`` are skipped."""
-    return {key: pack(data[key]) for key in keys if key in data.keys()}
+    present = set(data.keys())
+    return {key: pack(data[key]) for key in keys if key in present}
 
 
 def to_nested(packed: Packed) -> Any:

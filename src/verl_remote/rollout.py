@@ -61,7 +61,9 @@ class RemoteRolloutServer:
             raise ValueError(f"prompt of {prompt_len} tokens leaves no room to generate (max_model_len)")
         budget = sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens")
         if budget is None:
-            budget = min(self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len)
+            budget = min(
+                self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len
+            )
         return max(1, min(int(budget), room))
 
     async def generate(
@@ -106,7 +108,7 @@ class RemoteRolloutServer:
     async def stop_profile(self) -> None: ...
 
 
-class RemoteRolloutReplica(RolloutReplica):  # type: ignore[misc]
+class RemoteRolloutReplica(RolloutReplica):
     """One server actor per replica, no GPU; set :attr:`server_class` in a subclass."""
 
     server_class: ClassVar[type[RemoteRolloutServer]] = RemoteRolloutServer

@@ -9,6 +9,7 @@ returns the run's reward history for the final summary line.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -95,13 +96,18 @@ def prepare_config(config: DictConfig) -> DictConfig:
     if config.get("remote_backend") is None:
         raise ValueError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
     if config.trainer.v1.trainer_mode != MODE:
-        raise ValueError(f"trainer.v1.trainer_mode must be '{MODE}' for verl-remote (got {config.trainer.v1.trainer_mode!r})")
+        raise ValueError(
+            f"trainer.v1.trainer_mode must be '{MODE}' for verl-remote (got {config.trainer.v1.trainer_mode!r})"
+        )
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
         raise ValueError(
             f"actor_rollout_ref.rollout.name must be '{ROLLOUT_NAME}' for verl-remote "
             f"(got {config.actor_rollout_ref.rollout.name!r}): the backend samples the rollouts"
         )
     resolve_demo_assets(config)
+    with open_dict(config):
+        # verl resolves these in its TaskRunner process; users mean their own working directory.
+        config.trainer.default_local_dir = os.path.abspath(str(config.trainer.default_local_dir))
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     return config
 
@@ -113,9 +119,11 @@ def _ray_init(config: DictConfig) -> None:
 
     if ray.is_initialized():
         return
-    ray_init = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True)
-    assert isinstance(ray_init, dict)
+    ray_init: dict[str, Any] = dict(OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True))  # type: ignore[arg-type]
     runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), ray_init.pop("runtime_env", None) or {})
+    # verl's file logger writes relative to its process's directory: make it the user's.
+    env_vars = runtime_env.setdefault("env_vars", {})
+    env_vars.setdefault("VERL_FILE_LOGGER_ROOT", os.getcwd())
     ray.init(runtime_env=OmegaConf.to_container(runtime_env), **ray_init)
 
 

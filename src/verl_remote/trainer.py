@@ -84,7 +84,7 @@ def _shared_config(config: DictConfig) -> str:
 
 
 @register_trainer(MODE)
-class RemotePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
+class RemotePPOTrainer(PPOTrainerSync):
     """verl's sync trainer driving a :class:`~verl_remote.RemoteBackend`."""
 
     def __init__(self, config: DictConfig) -> None:
@@ -105,7 +105,7 @@ class RemotePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
                 )
             with open_dict(config):
                 existing = config.actor_rollout_ref.rollout.get("custom")
-                custom = OmegaConf.to_container(existing) if existing is not None else {}
+                custom: dict[str, Any] = dict(OmegaConf.to_container(existing)) if existing is not None else {}  # type: ignore[arg-type]
                 custom[CUSTOM_KEY] = {
                     "backend": self.backend_name,
                     "handle": self.backend.reconnect_handle(),
@@ -129,8 +129,9 @@ class RemotePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
                     f"role {role} is not supported: disable the critic (use a critic-free estimator such as "
                     "algorithm.adv_estimator=grpo) and the reward model (reward.reward_model.enable=false)"
                 )
-        self.resource_pool_manager = CPUResourcePoolManager(
-            resource_pool_spec=self.resource_pool_manager.resource_pool_spec, mapping=self.mapping
+        spec = self.resource_pool_manager.resource_pool_spec
+        self.resource_pool_manager: ResourcePoolManager = CPUResourcePoolManager(
+            resource_pool_spec=spec, mapping=self.mapping
         )
 
     def _publish_weights_version(self) -> None:
@@ -165,7 +166,7 @@ class RemotePPOTrainer(PPOTrainerSync):  # type: ignore[misc]
 
 
 @ray.remote
-class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):  # type: ignore[misc,name-defined]
+class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """verl's V1 TaskRunner that registers verl-remote's replica and always destroys the backend.
 
     Started with ``max_concurrency=2`` by the CLI, so that ``destroy_backend``

@@ -52,10 +52,12 @@ def backend_context(rollout_config: Any) -> tuple[str, dict[str, Any], DictConfi
             "this worker was started without verl-remote's backend handle: run it through 'verl-remote train' "
             "(trainer.v1.trainer_mode=remote)"
         )
-    return str(entry["backend"]), dict(entry["handle"]), OmegaConf.create(str(entry["config"]))
+    config = OmegaConf.create(str(entry["config"]))
+    assert isinstance(config, DictConfig)
+    return str(entry["backend"]), dict(entry["handle"]), config
 
 
-class RemoteForwarderWorker(Worker):  # type: ignore[misc]
+class RemoteForwarderWorker(Worker):
     """Base class of a backend's forwarder worker (one Ray process, no GPU)."""
 
     def __init__(self, config: DictConfig, role: str, distillation_config: Any = None, **kwargs: Any) -> None:

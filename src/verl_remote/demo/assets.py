@@ -113,7 +113,7 @@ def _make_dataset(train: Path, val: Path, seed: int) -> None:
     rng = random.Random(seed)
 
     def rows(count: int, split: str) -> list[dict[str, object]]:
-        out = []
+        out: list[dict[str, object]] = []
         for index in range(count):
             digit = rng.choice(DIGITS)
             out.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from typing import Any
@@ -71,10 +72,8 @@ class LocalBackend(RemoteBackend):
         await self.engine.load.remote(os.path.join(path, CHECKPOINT_SUBDIR))
 
     async def destroy(self) -> None:
-        try:
+        with contextlib.suppress(ValueError):  # already gone
             ray.kill(self.engine, no_restart=True)
-        except ValueError:  # already gone
-            pass
 
     # -- compute, used by this backend's worker and replica -------------------------------------
 

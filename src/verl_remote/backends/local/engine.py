@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 
 from verl_remote.payload import Packed, to_nested
 
@@ -295,6 +295,7 @@ class LocalEngine:
         self.weights_version = int(state["weights_version"])
         self.optimizer_steps = int(state["optimizer_steps"])
         torch.set_rng_state(state["torch_rng"])
+        print(f"local engine: loaded {path} (weights sha256 {self.weights_checksum()})", flush=True)
 
     def device_name(self) -> str:
         """The device's name as verl's FLOPs table knows it ("CPU", or the CUDA device name)."""

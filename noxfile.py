@@ -50,6 +50,7 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """What `import verl` costs with verl-remote's plugin, side by side without it."""
+    """The plugin's import cost, and verl-remote's per-step overhead beside the backend's compute."""
     session.install("-c", CONSTRAINTS, ".")
-    session.run("python", "benchmarks/plugin_import.py", *session.posargs)
+    session.run("python", "benchmarks/plugin_import.py")
+    session.run("python", "benchmarks/step_overhead.py")

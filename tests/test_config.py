@@ -13,9 +13,12 @@ from verl_remote import BackendNotFoundError, DuplicateBackendError
 from verl_remote.compose import ConfigError, compose_config
 
 
-def test_defaults_are_verls_ppo_trainer_with_no_backend_selected() -> None:
+def test_defaults_are_verls_ppo_trainer_with_the_local_backend_and_the_demo() -> None:
     config = compose_config()
-    assert config.get("remote_backend") is None
+    assert config.remote_backend.name == "local"
+    assert config.trainer.v1.trainer_mode == "remote"
+    assert config.actor_rollout_ref.rollout.name == "verl_remote"
+    assert config.actor_rollout_ref.model.path == "verl-remote://demo/model"
     assert config.trainer.use_v1 is True
     assert config.actor_rollout_ref.rollout.mode == "async"
 

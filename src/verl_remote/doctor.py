@@ -13,18 +13,14 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, entry_points, version
+from importlib.metadata import entry_points, version
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
+from verl_remote.compat import SUPPORTED_VERL, verl_version_problem
 from verl_remote.diagnostics import BackendReport, inspect_backends
 
-__all__ = ["SUPPORTED_VERL", "Check", "run_checks"]
+__all__ = ["Check", "run_checks"]
 
-#: The verl releases verl-remote is built and tested against.
-SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.10")
 PLUGIN_MODULE = "verl_remote.verl_plugin"
 
 
@@ -36,15 +32,10 @@ class Check:
 
 
 def check_verl_version() -> Check:
-    try:
-        installed = version("verl")
-    except PackageNotFoundError:
-        return Check("verl is installed", False, "verl is not installed: pip install 'verl[verl-core]>=0.9.1,<0.10'")
-    supported = Version(installed) in SUPPORTED_VERL
-    detail = f"verl {installed}, supported: {SUPPORTED_VERL}"
-    if not supported:
-        detail += f"; install a supported release: pip install 'verl[verl-core]{SUPPORTED_VERL}'"
-    return Check("verl version is supported", supported, detail)
+    problem = verl_version_problem()
+    if problem is not None:
+        return Check("verl version is supported", False, problem)
+    return Check("verl version is supported", True, f"verl {version('verl')}, supported: {SUPPORTED_VERL}")
 
 
 def plugin_status() -> tuple[bool, str]:

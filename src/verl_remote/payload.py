@@ -11,6 +11,7 @@ arrays directly.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +62,12 @@ def to_nested(packed: Packed) -> Any:
     """Back to a jagged torch tensor (shares memory with the numpy arrays where it can)."""
     import torch
 
-    values = torch.from_numpy(np.ascontiguousarray(packed.values))
-    offsets = torch.from_numpy(np.ascontiguousarray(packed.offsets))
+    with warnings.catch_warnings():
+        # Arrays read from Ray's object store are read-only; the tensors built on
+        # them are only read, so sharing the memory is safe.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        values = torch.from_numpy(np.ascontiguousarray(packed.values))
+        offsets = torch.from_numpy(np.ascontiguousarray(packed.offsets))
     lengths = packed.lengths
     # Without explicit bounds torch derives the padded width from the values, not the rows.
     return torch.nested.nested_tensor_from_jagged(

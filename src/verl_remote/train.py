@@ -88,6 +88,9 @@ def resolve_demo_assets(config: DictConfig) -> bool:
 
 def prepare_config(config: DictConfig) -> DictConfig:
     """Demo assets, verl's own validation, and the settings verl-remote cannot run without."""
+    from verl_remote.compat import require_supported_verl
+
+    require_supported_verl()
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 

@@ -26,6 +26,10 @@ exactly once whatever ends the run (see :class:`RemoteTaskRunner`).
 
 from __future__ import annotations
 
+from verl_remote.compat import require_supported_verl
+
+require_supported_verl()  # before importing verl internals that a newer verl may have moved
+
 import asyncio
 import logging
 import threading

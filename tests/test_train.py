@@ -45,6 +45,11 @@ def _checkpoint_checksum(actor_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def _calls(log: Path) -> list[str]:
+    """The faulty backend's lifecycle calls, in order, without the process ids."""
+    return [line.split(" pid=")[0] for line in log.read_text().splitlines()]
+
+
 def _no_ray_left() -> list[str]:
     out = subprocess.run(["pgrep", "-af", "raylet|gcs_server|ray::"], capture_output=True, text=True, check=False)
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
@@ -77,10 +82,10 @@ def test_save_then_resume_continues_at_the_next_step_with_the_saved_weights(tmp_
 
 
 def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
-    destroy_log = tmp_path / "destroyed.txt"
+    calls = tmp_path / "calls.txt"
     args = [
         "remote_backend=faulty",
-        f"remote_backend.destroy_log={destroy_log}",
+        f"remote_backend.calls_log={calls}",
         "trainer.total_training_steps=4",
         "trainer.save_freq=2",
     ]
@@ -100,22 +105,33 @@ def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_chec
     output = "".join(seen) + rest
     assert proc.returncode == 130, output[-3000:]
     assert "verl-remote: interrupted; destroying the backend" in output
-    assert destroy_log.read_text().count("destroy") == 1
+    # Weights sync after init and after each step, the step-2 checkpoint before step 2's sync.
+    assert _calls(calls)[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"]
+    assert _calls(calls)[-1] == "destroy" and _calls(calls).count("destroy") == 1
     assert _no_ray_left() == []
     assert not (tmp_path / "ckpt" / "global_step_4").exists()
 
-    resumed = _train(tmp_path, *args[:1], "trainer.total_training_steps=4", "trainer.save_freq=2")
+    calls.unlink()
+    resumed = _train(tmp_path, *args[:2], "trainer.total_training_steps=4", "trainer.save_freq=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(resumed.stdout) == [3, 4]
+    assert _calls(calls) == [
+        "load_checkpoint 2",
+        "update_weights",
+        "update_weights",
+        "save_checkpoint 4",
+        "update_weights",
+        "destroy",
+    ]
 
 
 def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backend(tmp_path: Path) -> None:
-    destroy_log = tmp_path / "destroyed.txt"
+    calls = tmp_path / "calls.txt"
     out = _train(
         tmp_path,
         "remote_backend=faulty",
         "remote_backend.fail_in=forward_backward",
-        f"remote_backend.destroy_log={destroy_log}",
+        f"remote_backend.calls_log={calls}",
         "trainer.total_training_steps=2",
     )
     assert out.returncode == 1
@@ -123,21 +139,21 @@ def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backen
         "verl-remote train: the run failed: InjectedFailure: faulty backend: injected failure in forward_backward"
         in out.stderr
     )
-    assert destroy_log.read_text().count("destroy") == 1
+    assert _calls(calls).count("destroy") == 1
     assert _no_ray_left() == []
 
 
 def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(tmp_path: Path) -> None:
-    destroy_log = tmp_path / "destroyed.txt"
+    calls = tmp_path / "calls.txt"
     out = _train(
         tmp_path,
         "remote_backend=faulty",
-        f"remote_backend.destroy_log={destroy_log}",
+        f"remote_backend.calls_log={calls}",
         "trainer.n_gpus_per_node=2",
         "trainer.total_training_steps=1",
     )
     assert out.returncode == 1
     assert "SingleForwarderError: backend 'faulty' needs exactly one forwarder worker" in out.stderr
     assert "set trainer.n_gpus_per_node=1 trainer.nnodes=1" in out.stderr
-    assert destroy_log.read_text().count("destroy") == 1
+    assert _calls(calls).count("destroy") == 1
     assert _no_ray_left() == []

@@ -15,7 +15,12 @@ Rules for this module (it runs in every verl process, many times):
   that can fail here must be checkable from ``verl-remote doctor`` instead.
 
 Backends themselves need no registration: any process resolves them by name from
-the ``verl.remote_backends`` entry points (see :mod:`verl_remote.registry`).
+the ``verl.remote_backends`` entry points (see :mod:`verl_remote.registry`). The
+trainer mode and rollout replica are registered by
+:class:`verl_remote.trainer.RemoteTaskRunner` in the process where verl looks them
+up: verl keeps those registries in modules that take about 0.7 s to import,
+which this hook must not pay in every process. What this hook does today is mark
+the process, so that ``verl-remote doctor`` can tell whether verl loaded it.
 """
 
 from __future__ import annotations

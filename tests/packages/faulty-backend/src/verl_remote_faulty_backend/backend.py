@@ -1,4 +1,4 @@
-"""The local backend, failing where remote_backend.fail_in says, recording each destroy()."""
+"""The local backend, failing where remote_backend.fail_in says, recording its lifecycle calls."""
 
 from __future__ import annotations
 
@@ -31,11 +31,26 @@ class FaultyBackend(LocalBackend):
         self._maybe_fail("forward_backward")
         return super().forward_backward(batch, meta)
 
-    async def destroy(self) -> None:
-        log = self.settings.get("destroy_log")
+    def _record(self, call: str) -> None:
+        log = self.settings.get("calls_log")
         if log:
             with open(log, "a") as fp:
-                fp.write(f"destroy pid={os.getpid()}\n")
+                fp.write(f"{call} pid={os.getpid()}\n")
+
+    async def update_weights(self) -> None:
+        self._record("update_weights")
+        await super().update_weights()
+
+    async def save_checkpoint(self, step: int, path: str) -> None:
+        self._record(f"save_checkpoint {step}")
+        await super().save_checkpoint(step, path)
+
+    async def load_checkpoint(self, step: int, path: str) -> None:
+        self._record(f"load_checkpoint {step}")
+        await super().load_checkpoint(step, path)
+
+    async def destroy(self) -> None:
+        self._record("destroy")
         await super().destroy()
 
 

@@ -67,3 +67,28 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
             assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
     # 4 environment checks, 3 for each of echo, local and faulty; 2 for each broken registration.
     assert lines[-1] == "doctor: 13 checks passed, 16 failed"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["remote_backend=arcitc"], "verl-remote train: error: backend 'arcitc' is not installed; installed: "),
+        (["trainer.no_such_key=1"], "verl-remote train: invalid config: Could not override 'trainer.no_such_key'"),
+        (
+            ["data.train_batch_size=3"],
+            "verl-remote train: invalid config: verl rejected the config: train_batch_size (3) must be >= "
+            "actor.ppo_mini_batch_size (8)",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=vllm"],
+            "verl-remote train: invalid config: actor_rollout_ref.rollout.name must be 'verl_remote'",
+        ),
+        (["actor_rollout_ref.model.path=verl-remote://demo/nope"], "unknown demo asset 'verl-remote://demo/nope'"),
+    ],
+)
+def test_train_rejects_bad_input_before_starting_anything(overrides: list[str], message: str) -> None:
+    out = cli("train", *overrides)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert "step:" not in out.stdout

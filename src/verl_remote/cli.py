@@ -45,34 +45,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from verl_remote.compose import ConfigError, compose_config
+    from verl_remote.compose import compose_config
 
-    try:
-        config = compose_config(args.overrides, recipe=args.recipe)
-    except ConfigError as exc:
-        print(f"verl-remote config: invalid config: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    config = compose_config(args.overrides, recipe=args.recipe)
     print(OmegaConf.to_yaml(config, resolve=args.resolve), end="")
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from verl_remote.compose import ConfigError, compose_config
-
-    try:
-        config = compose_config(args.overrides, recipe=args.recipe)
-    except ConfigError as exc:
-        print(f"verl-remote train: invalid config: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    from verl_remote.compose import compose_config
     from verl_remote.train import prepare_config, run
 
-    try:
-        prepare_config(config)
-    except (ValueError, AssertionError) as exc:
-        if args.traceback:
-            raise
-        print(f"verl-remote train: invalid config: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    config = prepare_config(compose_config(args.overrides, recipe=args.recipe))
     print(
         f"verl-remote: training with backend '{config.remote_backend.name}' for "
         f"{config.trainer.total_training_steps} steps (model {config.actor_rollout_ref.model.path})",
@@ -175,14 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from verl_remote.compat import UnsupportedVerlError
+    from verl_remote.compose import ConfigError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
-    except BackendError as exc:
+    except (BackendError, UnsupportedVerlError) as exc:
         if args.traceback:
             raise
         print(f"verl-remote {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:
+        if args.traceback:
+            raise
+        print(f"verl-remote {args.command}: invalid config: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return code
 

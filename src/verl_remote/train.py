@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from verl_remote.compose import ConfigError
+
 __all__ = ["DEMO_PREFIX", "RunSummary", "prepare_config", "run"]
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ def resolve_demo_assets(config: DictConfig) -> bool:
         for node, key, value in found:
             name = value.removeprefix(DEMO_PREFIX)
             if name not in paths:
-                raise ValueError(f"unknown demo asset {value!r}; known: {', '.join(DEMO_PREFIX + n for n in paths)}")
+                known = ", ".join(DEMO_PREFIX + n for n in paths)
+                raise ConfigError(f"unknown demo asset {value!r}; known: {known}")
             node[key] = str(paths[name])
     return True
 
@@ -97,13 +100,13 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl_remote.trainer import MODE, ROLLOUT_NAME
 
     if config.get("remote_backend") is None:
-        raise ValueError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
+        raise ConfigError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
     if config.trainer.v1.trainer_mode != MODE:
-        raise ValueError(
+        raise ConfigError(
             f"trainer.v1.trainer_mode must be '{MODE}' for verl-remote (got {config.trainer.v1.trainer_mode!r})"
         )
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
-        raise ValueError(
+        raise ConfigError(
             f"actor_rollout_ref.rollout.name must be '{ROLLOUT_NAME}' for verl-remote "
             f"(got {config.actor_rollout_ref.rollout.name!r}): the backend samples the rollouts"
         )
@@ -111,7 +114,10 @@ def prepare_config(config: DictConfig) -> DictConfig:
     with open_dict(config):
         # verl resolves these in its TaskRunner process; users mean their own working directory.
         config.trainer.default_local_dir = os.path.abspath(str(config.trainer.default_local_dir))
-    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    try:
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    except (AssertionError, ValueError) as exc:  # verl's own checks, e.g. batch sizes that do not divide
+        raise ConfigError(f"verl rejected the config: {exc}") from exc
     return config
 
 

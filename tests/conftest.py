@@ -62,9 +62,9 @@ def python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -
     return run(sys.executable, "-c", code, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
-    """A real local Ray cluster for the session, stopped at the end."""
+    """A real local Ray cluster for one test module, stopped at its end."""
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)

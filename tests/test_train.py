@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,12 +52,33 @@ def _calls(log: Path) -> list[str]:
     return [line.split(" pid=")[0] for line in log.read_text().splitlines()]
 
 
-def _no_ray_left() -> list[str]:
+def _ray_processes() -> dict[int, str]:
     out = subprocess.run(["pgrep", "-af", "raylet|gcs_server|ray::"], capture_output=True, text=True, check=False)
-    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+    found = {}
+    for line in out.stdout.splitlines():
+        pid, _, command = line.partition(" ")
+        if "pgrep" not in command:
+            found[int(pid)] = command
+    return found
 
 
-def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(tmp_path: Path) -> None:
+@pytest.fixture
+def ray_left_behind() -> Callable[[], dict[int, str]]:
+    """Ray processes started since the test began that are still alive after a grace period."""
+    before = set(_ray_processes())
+
+    def left() -> dict[int, str]:
+        deadline = time.monotonic() + 20  # workers exit shortly after their raylet
+        while True:
+            new = {pid: cmd for pid, cmd in _ray_processes().items() if pid not in before}
+            if not new or time.monotonic() > deadline:
+                return new
+            time.sleep(0.5)
+
+    return left
+
+
+def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(tmp_path: Path, ray_left_behind: Any) -> None:
     out = _train(tmp_path, "trainer.total_training_steps=2", "trainer.logger=[console,file]")
     assert out.returncode == 0, out.stderr[-3000:]
     assert _steps(out.stdout)[-2:] == [1, 2]
@@ -65,7 +88,7 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(tmp_path: Path) -> 
     records = [json.loads(line) for line in (tmp_path / "verl_remote" / "demo.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all("critic/score/mean" in r["data"] and "actor/grad_norm" in r["data"] for r in records)
-    assert _no_ray_left() == []
+    assert ray_left_behind() == {}
 
 
 def test_save_then_resume_continues_at_the_next_step_with_the_saved_weights(tmp_path: Path) -> None:
@@ -81,7 +104,9 @@ def test_save_then_resume_continues_at_the_next_step_with_the_saved_weights(tmp_
     assert f"local engine: loaded {step2 / 'actor' / 'local_engine'} (weights sha256 {saved})" in second.stdout
 
 
-def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_checkpoint(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
     calls = tmp_path / "calls.txt"
     args = [
         "remote_backend=faulty",
@@ -108,7 +133,7 @@ def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_chec
     # Weights sync after init and after each step, the step-2 checkpoint before step 2's sync.
     assert _calls(calls)[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"]
     assert _calls(calls)[-1] == "destroy" and _calls(calls).count("destroy") == 1
-    assert _no_ray_left() == []
+    assert ray_left_behind() == {}
     assert not (tmp_path / "ckpt" / "global_step_4").exists()
 
     calls.unlink()
@@ -125,7 +150,9 @@ def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_chec
     ]
 
 
-def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backend(tmp_path: Path) -> None:
+def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backend(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
     calls = tmp_path / "calls.txt"
     out = _train(
         tmp_path,
@@ -140,10 +167,12 @@ def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backen
         in out.stderr
     )
     assert _calls(calls).count("destroy") == 1
-    assert _no_ray_left() == []
+    assert ray_left_behind() == {}
 
 
-def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(tmp_path: Path) -> None:
+def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
     calls = tmp_path / "calls.txt"
     out = _train(
         tmp_path,
@@ -156,4 +185,4 @@ def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(
     assert "SingleForwarderError: backend 'faulty' needs exactly one forwarder worker" in out.stderr
     assert "set trainer.n_gpus_per_node=1 trainer.nnodes=1" in out.stderr
     assert _calls(calls).count("destroy") == 1
-    assert _no_ray_left() == []
+    assert ray_left_behind() == {}

@@ -12,6 +12,8 @@ import nox
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
+# The distributions this repository builds: verl-remote (the root) and verl-arctic.
+DISTRIBUTIONS = [str(ROOT), str(ROOT / "dists" / "verl-arctic")]
 TEST_PACKAGES = [str(p) for p in sorted((ROOT / "tests" / "packages").iterdir()) if (p / "pyproject.toml").is_file()]
 
 nox.options.sessions = ["lint", "types", "tests"]
@@ -21,7 +23,7 @@ nox.options.reuse_existing_virtualenvs = True
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite, against the real verl, Ray and Hydra (installs verl-remote and the test backends)."""
-    session.install("-c", CONSTRAINTS, ".", *TEST_PACKAGES)
+    session.install("-c", CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES)
     session.install("-c", CONSTRAINTS, "pytest")
     session.run("pytest", *session.posargs)
 
@@ -37,15 +39,16 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def types(session: nox.Session) -> None:
     """mypy --strict on src/ (verl and Ray are untyped and not installed here)."""
-    session.install("mypy", "hydra-core>=1.3,<1.4", "omegaconf", "packaging")
+    session.install("mypy", "hydra-core>=1.3,<1.4", "omegaconf", "packaging", "safetensors")
     session.run("mypy")
 
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build the distributions' wheels into dist/."""
+    """Build both distributions' wheels (verl-remote, verl-arctic) into dist/."""
     session.install("build")
-    session.run("python", "-m", "build", "--wheel", "--outdir", "dist", ".")
+    for project in DISTRIBUTIONS:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(ROOT / "dist"), project)
 
 
 @nox.session

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -72,3 +75,41 @@ def ray_cluster() -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+# -- the Arctic test server (tests/arctic) ---------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def dead_url() -> str:
+    """A URL on 127.0.0.1 where nothing listens."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(params=["v0.1", "main"])
+def arctic_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(url, generation) of a running test server, stopped after the test."""
+    import uvicorn
+
+    from verl_arctic.testing.server import create_app
+
+    generation = str(request.param)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(generation), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the Arctic test server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", generation
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

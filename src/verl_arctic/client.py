@@ -1,0 +1,256 @@
+"""An HTTP client for Arctic's RL service, for either protocol generation.
+
+One method per protocol call, each raising :class:`ArcticError` with the call,
+the URL and the server's own message when anything goes wrong, so that a
+failed training step says which request failed where. Only idempotent calls
+(health, status, job) are retried. An auth token, when configured, is sent as
+``Authorization: Bearer ...`` and never logged or put in an error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from verl_arctic import wire
+from verl_arctic.routes import ENCODING, GENERATIONS, Route, route
+
+__all__ = ["ArcticClient", "ArcticError", "probe_generation"]
+
+
+class ArcticError(RuntimeError):
+    """An Arctic call failed; the message names the call, the server and the reason."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    return detail if isinstance(detail, str) else str(detail)
+
+
+def probe_generation(url: str, *, timeout: float = 10.0, headers: dict[str, str] | None = None) -> str:
+    """Which protocol generation the server at ``url`` speaks, without side effects.
+
+    ``GET /forward-backward`` is 405 on main (the route exists, for POST) and 404
+    on v0.1; ``/health`` is identical in both and cannot tell them apart.
+    """
+    base = url.rstrip("/")
+    try:
+        response = httpx.get(f"{base}/forward-backward", timeout=timeout, headers=headers)
+    except httpx.HTTPError as exc:
+        raise ArcticError(f"cannot reach the Arctic server at {base} to detect its protocol: {exc}") from exc
+    if response.status_code == 405:
+        return "main"
+    if response.status_code == 404:
+        return "v0.1"
+    raise ArcticError(
+        f"the server at {base} answered GET /forward-backward with HTTP {response.status_code}; "
+        "it does not look like an Arctic RL server (set remote_backend.comms.api explicitly to skip detection)"
+    )
+
+
+class ArcticClient:
+    """Synchronous calls for the trainer side; :meth:`agenerate` for the rollout server's event loop."""
+
+    def __init__(
+        self,
+        url: str,
+        generation: str = "auto",
+        *,
+        token: str | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 1800.0,
+        retries: int = 3,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
+        self.retries = max(0, int(retries))
+        if generation == "auto":
+            generation = probe_generation(self.url, timeout=connect_timeout, headers=self._headers)
+        if generation not in GENERATIONS:
+            raise ValueError(f"unknown Arctic protocol generation {generation!r}; use auto, {', '.join(GENERATIONS)}")
+        self.generation = generation
+        self.encoding = ENCODING[generation]
+        # No keep-alive: uvicorn closes the connection after an unhandled server error (a bare 500), and a
+        # request on that pooled connection would then fail with "connection reset" instead of its own answer.
+        self._http = httpx.Client(
+            timeout=self._timeout, headers=self._headers, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _request_args(
+        self, spec: Route, job_id: int | None, body: Any, params: dict[str, Any] | None
+    ) -> tuple[str, dict[str, Any]]:
+        path = spec.path.format(job_id=job_id)
+        query = dict(params or {})
+        if spec.job_query:
+            if job_id is None:
+                raise ValueError(f"Arctic call {spec.path} needs a job id")
+            query["job_id"] = job_id
+        kwargs: dict[str, Any] = {}
+        url = str(httpx.URL(f"{self.url}{path}").copy_merge_params(query))
+        if spec.request == "binary":
+            kwargs["content"] = wire.encode(self.encoding, body)
+            kwargs["headers"] = {"Content-Type": "application/octet-stream"}
+        elif spec.request == "json" and body is not None:
+            kwargs["json"] = body
+        return url, kwargs
+
+    def _decode(self, spec: Route, response: httpx.Response) -> Any:
+        if spec.response == "binary":
+            return wire.decode(self.encoding, response.content)
+        return response.json()
+
+    def _fail(self, operation: str, spec: Route, url: str, response: httpx.Response) -> ArcticError:
+        return ArcticError(
+            f"Arctic call {operation} ({spec.method} {url}) failed: HTTP {response.status_code}: {_detail(response)}",
+            status=response.status_code,
+        )
+
+    def call(
+        self, operation: str, *, job_id: int | None = None, body: Any = None, params: dict[str, Any] | None = None
+    ) -> Any:
+        spec = route(self.generation, operation)
+        url, kwargs = self._request_args(spec, job_id, body, params)
+        attempts = 1 + (self.retries if spec.idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                response = self._http.request(spec.method, url, **kwargs)
+            except httpx.TimeoutException as exc:
+                error = ArcticError(f"Arctic call {operation} ({spec.method} {url}) timed out: {exc}")
+            except httpx.HTTPError as exc:
+                error = ArcticError(
+                    f"Arctic call {operation} ({spec.method} {url}) failed: cannot reach the server: {exc}"
+                )
+            else:
+                if response.is_success:
+                    return self._decode(spec, response)
+                if not spec.idempotent or response.status_code < 500:
+                    raise self._fail(operation, spec, url, response)
+                error = self._fail(operation, spec, url, response)
+            if attempt + 1 < attempts:
+                time.sleep(min(2.0**attempt, 10.0))
+        raise error
+
+    async def agenerate(self, job_id: int, prompts: list[str], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        """``/generate`` from an event loop (the rollout server); not retried."""
+        spec = route(self.generation, "generate")
+        url, kwargs = self._request_args(spec, job_id, self._generate_body(prompts, sampling_params), None)
+        async with httpx.AsyncClient(timeout=self._timeout, headers=self._headers) as http:
+            try:
+                response = await http.request(spec.method, url, **kwargs)
+            except httpx.HTTPError as exc:
+                raise ArcticError(f"Arctic call generate ({spec.method} {url}) failed: {exc}") from exc
+        if not response.is_success:
+            raise self._fail("generate", spec, url, response)
+        result: dict[str, Any] = self._decode(spec, response)
+        return result
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("health")
+        return result
+
+    def initialize(self, job_config: dict[str, Any]) -> int:
+        return int(self.call("initialize", body=job_config)["job_id"])
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("job", job_id=job_id)
+        return result
+
+    def wait_running(self, job_id: int, timeout: float, interval: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.job(job_id).get("status")
+            if status == "RUNNING":
+                return
+            if time.monotonic() > deadline:
+                raise ArcticError(
+                    f"Arctic job {job_id} at {self.url} is not RUNNING after {timeout:.0f}s (status {status})"
+                )
+            time.sleep(interval)
+
+    def destroy(self, job_id: int, job_type: str) -> None:
+        self.call("destroy", job_id=job_id, body={"job_type": job_type})
+
+    def forward_backward(self, job_id: int, payload: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("forward_backward", job_id=job_id, body=payload)
+        return result
+
+    def forward(self, job_id: int, payload: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("forward", job_id=job_id, body=payload)
+        return result
+
+    def step(self, job_id: int) -> dict[str, Any]:
+        body = {"learning_rate": None} if self.generation == "main" else None
+        result: dict[str, Any] = self.call("step", job_id=job_id, body=body)
+        return result
+
+    def save(self, job_id: int, path: str, step: int) -> dict[str, Any]:
+        body = {"path": path, "step": step} if self.generation == "main" else None
+        result: dict[str, Any] = self.call("save", job_id=job_id, body=body)
+        return result
+
+    def load_checkpoint(self, job_id: int, path: str, step: int) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("load_checkpoint", job_id=job_id, body={"path": path, "step": step})
+        return result
+
+    def weight_sync(
+        self, training_job: int, sampling_job: int, *, colocate: bool, cuda_ipc: bool, low_memory: bool
+    ) -> None:
+        if self.generation == "main":
+            body: dict[str, Any] = {
+                "source_sub_job_id": training_job,
+                "target_sub_job_ids": [sampling_job],
+                "cuda_ipc": cuda_ipc,
+                "low_memory": low_memory,
+            }
+            self.call("weight_sync", job_id=training_job, body=body)
+        else:
+            body = {
+                "training_job_id": training_job,
+                "sampling_job_id": sampling_job,
+                "colocate": colocate,
+                "cuda_ipc": cuda_ipc,
+                "low_memory": low_memory,
+            }
+            self.call("weight_sync", body=body)
+
+    def weight_norm(self, training_job: int, sampling_job: int) -> dict[str, Any]:
+        """Parameter norms of the training and sampling jobs (equal right after a weight sync)."""
+        body = {"training_job_id": training_job, "sampling_job_id": sampling_job}
+        result: dict[str, Any] = self.call("weight_norm", body=body)
+        return result
+
+    def sleep_inference(self, job_id: int, level: int = 1) -> None:
+        self.call("sleep_inference", job_id=job_id, params={"level": level})
+
+    def wake_inference(self, job_id: int, tags: list[str] | None = None) -> None:
+        self.call("wake_inference", job_id=job_id, body=tags)
+
+    def reset_prefix_cache(self, job_id: int) -> None:
+        self.call("reset_prefix_cache", job_id=job_id)
+
+    def _generate_body(self, prompts: list[str], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        return {"prompts": prompts, "sampling_params": sampling_params}
+
+    def generate(self, job_id: int, prompts: list[str], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.call(
+            "generate", job_id=job_id, body=self._generate_body(prompts, sampling_params)
+        )
+        return result

@@ -1,10 +1,21 @@
-"""verl-arctic: the Arctic Platform backend for verl-remote (work in progress).
+"""verl-arctic: the Arctic Platform backend for verl-remote.
 
-What is here so far: the two body encodings of Arctic's RL HTTP protocol
-(:mod:`verl_arctic.wire`). The backend, its worker and replica, the client and
-the test server follow; until then this distribution registers no backend, so
-installing it changes nothing for ``verl-remote list``. The protocol is
-described in docs/arctic-protocol.md.
+``pip install verl-arctic`` registers the backend ``arctic`` (see this
+distribution's ``verl.remote_backends`` entry point); then
+``verl-remote train remote_backend=arctic remote_backend.comms.url=http://host:port ...``.
+This module holds only the spec, so that finding the backend imports nothing
+heavy. docs/arctic-backend.md is the user's page; docs/arctic-protocol.md the
+protocol's.
 """
 
+from verl_remote.spec import BackendSpec
+
 __version__ = "0.1.0"
+
+SPEC = BackendSpec(
+    name="arctic",
+    backend="verl_arctic.backend:ArcticBackend",
+    worker="verl_arctic.worker:ArcticForwarderWorker",
+    rollout="verl_arctic.rollout:ArcticRolloutReplica",
+    config_package="verl_arctic",
+)

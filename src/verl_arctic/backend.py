@@ -1,0 +1,289 @@
+"""``ArcticBackend``: the RemoteBackend contract over Arctic's RL service.
+
+On the driver, :meth:`ArcticBackend.from_config` creates the service's jobs in
+Arctic's order (sampling, then the reference ``log_prob`` job when verl needs
+reference log-probs, then training) from ``remote_backend.*`` and verl's model
+and optimizer settings, and waits until each is ``RUNNING``. Its reconnect
+handle is the server URL, the protocol generation and the job ids, so that
+forwarders and rollout servers attach without creating anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from verl_arctic.client import ArcticClient, ArcticError
+from verl_remote.backend import RemoteBackend
+
+__all__ = ["ArcticBackend", "job_configs"]
+
+log = logging.getLogger(__name__)
+
+POINTER_FILE = "arctic_checkpoint.json"
+
+
+def _client(settings: dict[str, Any], generation: str) -> ArcticClient:
+    comms = settings["comms"]
+    if comms.get("protocol", "http") != "http":
+        raise ValueError(
+            f"remote_backend.comms.protocol={comms.get('protocol')!r} is not supported: verl-arctic talks to Arctic "
+            "over HTTP (its Ray transport needs arctic_platform, which pins transformers<5, in verl's environment)"
+        )
+    token_env = comms.get("token_env")
+    token = None
+    if token_env:
+        token = os.environ.get(str(token_env))
+        if not token:
+            raise ValueError(
+                f"remote_backend.comms.token_env names {token_env}, but that environment variable is empty"
+            )
+    return ArcticClient(
+        str(comms["url"]),
+        generation,
+        token=token,
+        connect_timeout=float(comms.get("connect_timeout_s", 10)),
+        read_timeout=float(comms.get("read_timeout_s", 1800)),
+        retries=int(comms.get("retries", 3)),
+    )
+
+
+def _optim(actor: dict[str, Any], horizon: int) -> tuple[dict[str, Any], float]:
+    optim = actor["optim"]
+    clip = float(optim.get("clip_grad") or actor.get("grad_clip") or 0.0)
+    total = max(int(optim.get("total_training_steps") or 1), 1)
+    warmup = int(optim.get("lr_warmup_steps") or -1)
+    if warmup <= 0:
+        warmup = round(float(optim.get("lr_warmup_steps_ratio") or 0.0) * horizon)
+    return {
+        "lr": float(optim["lr"]),
+        "weight_decay": float(optim.get("weight_decay") or 0.0),
+        "betas": [float(b) for b in optim.get("betas", (0.9, 0.999))],
+        "scheduler": str(optim.get("lr_scheduler_type") or "constant"),
+        "warmup_steps": warmup,
+        "min_lr_ratio": float(optim.get("min_lr_ratio") or 0.0),
+        "total": total,
+    }, clip
+
+
+def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
+    """The ``/initialize`` bodies, by job type, for a composed run config (docs/arctic-backend.md maps each key)."""
+    settings = OmegaConf.to_container(config.remote_backend, resolve=True)
+    actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
+    rollout = config.actor_rollout_ref.rollout
+    assert isinstance(settings, dict) and isinstance(actor, dict)
+    model = str(config.actor_rollout_ref.model.path)
+    rollout_n = int(rollout.n)
+    train_batch = int(actor["ppo_mini_batch_size"]) * rollout_n
+    mini_batches = max(int(config.data.train_batch_size) * rollout_n // train_batch, 1)
+    horizon = int(actor["optim"].get("total_training_steps") or 1) * int(actor.get("ppo_epochs", 1)) * mini_batches
+    optim, clip = _optim(actor, horizon)
+    deepspeed = dict(settings["train"]["deepspeed"])
+    micro = int(actor.get("ppo_micro_batch_size_per_gpu") or 1)
+    gpus = max(int(settings.get("training_gpus", 1)), 1)
+    ds_config = {
+        **deepspeed,
+        "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": train_batch,
+        "gradient_accumulation_steps": max(1, train_batch // (micro * gpus)),
+    }
+    determinism = settings["train"]["determinism"]
+    arctic_inference = dict(settings["rollout"])
+    common = {"model_name": model, "seed": int(determinism["seed"])}
+    training: dict[str, Any] = {
+        **common,
+        "job_type": "training",
+        "full_determinism": bool(determinism["full"]),
+        "checkpoint_path": os.path.abspath(str(config.trainer.default_local_dir)),
+        "ds_worker_config": {"enable_gradient_checkpointing": False},
+    }
+    if generation == "main":
+        ds = dict(ds_config)
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {k: optim[k] for k in ("lr", "weight_decay", "betas")} | {"eps": 1e-8},
+        }
+        if clip > 0:
+            ds["gradient_clipping"] = clip
+        scheduler_type = "WarmupCosineLR" if optim["scheduler"] == "cosine" else "WarmupLR"
+        ds["scheduler"] = {
+            "type": scheduler_type,
+            "params": {
+                "warmup_num_steps": optim["warmup_steps"],
+                "total_num_steps": horizon,
+                "cos_min_ratio": optim["min_lr_ratio"],
+            },
+        }
+        training |= {
+            "ds_config": ds,
+            "cuda_ipc": bool(settings["weight_sync"]["cuda_ipc"]),
+            "low_memory": bool(settings["weight_sync"]["low_memory"]),
+        }
+    else:
+        training |= {
+            "ds_config": ds_config,
+            "arctic_inference_config": arctic_inference,
+            "training_config": {
+                "training_horizon": horizon,
+                "optimizer": {k: optim[k] for k in ("lr", "weight_decay", "betas")}
+                | ({"gradient_clipping": clip} if clip > 0 else {}),
+                "lr_scheduler": {
+                    "type": optim["scheduler"],
+                    "warmup_ratio": optim["warmup_steps"] / max(horizon, 1),
+                    "min_lr_ratio": optim["min_lr_ratio"],
+                },
+            },
+        }
+    max_model_len = rollout.get("max_model_len") or int(rollout.prompt_length) + int(rollout.response_length)
+    sampling = {
+        **common,
+        "job_type": "sampling",
+        "arctic_inference_config": arctic_inference,
+        "vllm_config": {
+            "tensor_parallel_size": int(settings.get("sampling_tp_size", 1)),
+            "gpu_memory_utilization": float(rollout.get("gpu_memory_utilization") or 0.5),
+            "max_model_len": int(max_model_len),
+            "max_num_seqs": int(rollout.get("max_num_seqs") or 1024),
+            "enforce_eager": bool(rollout.get("enforce_eager", True)),
+        },
+    }
+    log_prob = {
+        **common,
+        "job_type": "log_prob",
+        "full_determinism": bool(determinism["full"]),
+        "ds_config": {k: v for k, v in ds_config.items() if k != "optimizer"},
+        "log_prob_config": {"zero_optimization": deepspeed.get("zero_optimization", {})},
+    }
+    # Arctic's creation order: sampling, the reference, then training (the weight-sync root) last.
+    jobs = {"sampling": sampling}
+    if actor.get("use_kl_loss") or config.algorithm.get("use_kl_in_reward"):
+        if int(settings["log_prob_gpus"]) <= 0:
+            raise ValueError(
+                "verl needs reference log-probs (a KL term is on) but remote_backend.log_prob_gpus is 0: "
+                "give the reference job GPUs, or turn the KL terms off"
+            )
+        jobs["log_prob"] = log_prob
+    jobs["training"] = training
+    return jobs
+
+
+class ArcticBackend(RemoteBackend):
+    """Jobs on one Arctic server; every process holds its own HTTP client to it."""
+
+    def __init__(self, client: ArcticClient, jobs: dict[str, int], settings: dict[str, Any]) -> None:
+        self.client = client
+        self.jobs = jobs
+        self.settings = settings
+        self._destroyed = False
+
+    @classmethod
+    def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> ArcticBackend:
+        settings = OmegaConf.to_container(main_config.remote_backend, resolve=True)
+        assert isinstance(settings, dict)
+        if handle is not None:
+            return cls(_client(settings, str(handle["generation"])), dict(handle["jobs"]), settings)
+        client = _client(settings, str(settings["comms"].get("api", "auto")))
+        backend = cls(client, {}, settings)
+        timeout = float(settings["comms"].get("job_ready_timeout_s", 1800))
+        try:
+            for job_type, body in job_configs(main_config, client.generation).items():
+                if job_type == "sampling" and int(settings.get("sampling_gpus", 1)) <= 0:
+                    continue
+                job_id = client.initialize(body)
+                backend.jobs[job_type] = job_id
+                client.wait_running(job_id, timeout)
+                log.info(
+                    "verl-arctic: %s job %d is RUNNING on %s (%s)", job_type, job_id, client.url, client.generation
+                )
+            if "training" not in backend.jobs or "sampling" not in backend.jobs:
+                raise ValueError(
+                    "verl-arctic needs a training and a sampling job: set training_gpus and sampling_gpus > 0"
+                )
+        except BaseException:
+            asyncio.run(backend.destroy())
+            raise
+        return backend
+
+    def reconnect_handle(self) -> dict[str, Any]:
+        return {"url": self.client.url, "generation": self.client.generation, "jobs": dict(self.jobs)}
+
+    def requires_single_forwarder(self) -> bool:
+        # Arctic runs its own data parallelism: one caller per mini-batch, one optimizer step each.
+        return True
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _sync_weights(self) -> None:
+        sampling, training = self.jobs["sampling"], self.jobs["training"]
+        sync = self.settings["weight_sync"]
+        self.client.wake_inference(sampling, ["weights"])
+        self.client.weight_sync(
+            training,
+            sampling,
+            colocate=bool(self.settings.get("colocate", True)),
+            cuda_ipc=bool(sync["cuda_ipc"]),
+            low_memory=bool(sync["low_memory"]),
+        )
+        self.client.wake_inference(sampling, ["kv_cache"])
+        self.client.reset_prefix_cache(sampling)
+
+    async def update_weights(self) -> None:
+        await asyncio.to_thread(self._sync_weights)
+
+    async def save_checkpoint(self, step: int, path: str) -> None:
+        if self.client.generation == "main":
+            saved = await asyncio.to_thread(self.client.save, self.jobs["training"], os.path.join(path, "arctic"), step)
+        else:  # v0.1 saves where the server decides; remember where
+            saved = await asyncio.to_thread(self.client.save, self.jobs["training"], path, step)
+        with open(os.path.join(path, POINTER_FILE), "w") as fp:
+            json.dump({"step": step, "server": self.client.url, "generation": self.client.generation, **saved}, fp)
+
+    async def load_checkpoint(self, step: int, path: str) -> None:
+        if self.client.generation != "main":
+            raise ArcticError(
+                f"Arctic protocol v0.1 at {self.client.url} has no load-checkpoint call, so a run cannot resume on it; "
+                "resume against a server that speaks the main protocol (remote_backend.comms.api=main)"
+            )
+        loaded = await asyncio.to_thread(
+            self.client.load_checkpoint, self.jobs["training"], os.path.join(path, "arctic"), step
+        )
+        if int(loaded.get("global_step", 0)) == 0:
+            raise ArcticError(f"Arctic server {self.client.url} found no checkpoint for step {step} under {path}")
+
+    async def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        for job_type in ("training", "log_prob", "sampling"):
+            job_id = self.jobs.get(job_type)
+            if job_id is None:
+                continue
+            try:
+                await asyncio.to_thread(self.client.destroy, job_id, job_type)
+            except ArcticError as exc:  # keep going: the other jobs still hold GPUs
+                log.warning("verl-arctic: could not destroy %s job %d: %s", job_type, job_id, exc)
+        self.client.close()
+
+    # -- compute, used by this backend's worker and rollout server ---------------------------------
+
+    def forward(self, payload: dict[str, Any], *, reference: bool) -> dict[str, Any]:
+        job = self.jobs["log_prob"] if reference else self.jobs["training"]
+        return self.client.forward(job, payload)
+
+    def forward_backward(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return self.client.forward_backward(self.jobs["training"], payload)
+
+    def step(self) -> dict[str, Any]:
+        return self.client.step(self.jobs["training"])
+
+    async def generate(self, prompt: str, sampling_params: dict[str, Any]) -> dict[str, Any]:
+        result = await self.client.agenerate(self.jobs["sampling"], [prompt], sampling_params)
+        return dict(result["results"][0])
+
+    async def sleep_sampling(self) -> None:
+        await asyncio.to_thread(self.client.sleep_inference, self.jobs["sampling"], 1)

@@ -21,11 +21,19 @@ from omegaconf import OmegaConf
 from verl_arctic.client import ArcticClient, ArcticError
 from verl_remote.backend import RemoteBackend
 
-__all__ = ["ArcticBackend", "job_configs"]
+__all__ = ["ArcticBackend", "as_dict", "job_configs"]
 
 log = logging.getLogger(__name__)
 
 POINTER_FILE = "arctic_checkpoint.json"
+
+
+def as_dict(node: Any) -> dict[str, Any]:
+    """A config section as a plain, resolved dict."""
+    value = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a config mapping, got {type(value).__name__}")
+    return {str(k): v for k, v in value.items()}
 
 
 def _client(settings: dict[str, Any], generation: str) -> ArcticClient:
@@ -73,10 +81,9 @@ def _optim(actor: dict[str, Any], horizon: int) -> tuple[dict[str, Any], float]:
 
 def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
     """The ``/initialize`` bodies, by job type, for a composed run config (docs/arctic-backend.md maps each key)."""
-    settings = OmegaConf.to_container(config.remote_backend, resolve=True)
-    actor = OmegaConf.to_container(config.actor_rollout_ref.actor, resolve=True)
+    settings = as_dict(config.remote_backend)
+    actor = as_dict(config.actor_rollout_ref.actor)
     rollout = config.actor_rollout_ref.rollout
-    assert isinstance(settings, dict) and isinstance(actor, dict)
     model = str(config.actor_rollout_ref.model.path)
     rollout_n = int(rollout.n)
     train_batch = int(actor["ppo_mini_batch_size"]) * rollout_n
@@ -183,8 +190,7 @@ class ArcticBackend(RemoteBackend):
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> ArcticBackend:
-        settings = OmegaConf.to_container(main_config.remote_backend, resolve=True)
-        assert isinstance(settings, dict)
+        settings = as_dict(main_config.remote_backend)
         if handle is not None:
             return cls(_client(settings, str(handle["generation"])), dict(handle["jobs"]), settings)
         client = _client(settings, str(settings["comms"].get("api", "auto")))

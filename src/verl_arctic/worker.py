@@ -14,10 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from verl_arctic.backend import ArcticBackend
+from verl_arctic.backend import ArcticBackend, as_dict
 from verl_remote.worker import RemoteForwarderWorker
 
 __all__ = ["ArcticForwarderWorker", "from_dense", "to_dense"]
@@ -80,7 +79,7 @@ class ArcticForwarderWorker(RemoteForwarderWorker):
         tokenizer = AutoTokenizer.from_pretrained(str(config.model.path))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = int(pad)
-        self.actor_config = OmegaConf.to_container(config.actor, resolve=True)
+        self.actor_config = as_dict(config.actor)
         self.rollout_n = int(config.rollout.n)
 
     def _meta(self, temperature: float, calculate_entropy: bool) -> dict[str, Any]:
@@ -128,7 +127,7 @@ class ArcticForwarderWorker(RemoteForwarderWorker):
             "old_log_probs": response_aligned(mini_batch["old_log_probs"], width_p, width_r, torch.float32),
             "advantages": response_aligned(mini_batch["advantages"], width_p, width_r, torch.float32),
         }
-        if "ref_log_prob" in mini_batch.keys():
+        if "ref_log_prob" in set(mini_batch.keys()):
             batch["ref_log_prob"] = response_aligned(mini_batch["ref_log_prob"], width_p, width_r, torch.float32)
         wire_meta = self._meta(float(meta["temperature"]), bool(meta["calculate_entropy"]))
         wire_meta |= {

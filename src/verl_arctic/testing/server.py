@@ -170,6 +170,8 @@ def create_app(generation: str) -> Any:
     def data_call(job: Job, body: bytes, train: bool) -> dict[str, Any]:
         payload = wire.decode(encoding, body)
         batch, meta, processing = payload["batch"], payload["meta"], payload["processing"]  # KeyError -> 500
+        if meta.get("logits_optimization") == "memory" and not meta.get("zorro_train_enable"):
+            raise ValueError("logits_optimization='memory' requires ZoRRO")  # as Arctic's worker: a bare 500
         with lock:
             if train:
                 if processing.get("loss_fn") is None:

@@ -1,0 +1,114 @@
+"""verl-remote train remote_backend=arctic against the Arctic test server, as a user runs it.
+
+The server runs as its own process (``python -m verl_arctic.testing.server``),
+like a real Arctic service; the CLI reaches it only through
+``remote_backend.comms.url``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import cli, free_port
+
+pytestmark = pytest.mark.train
+
+QUICK = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
+
+
+@pytest.fixture(params=["v0.1", "main"])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    generation = str(request.param)
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verl_arctic.testing.server", "--port", str(port), "--api", generation],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+        time.sleep(0.2)
+    try:
+        yield url, generation
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _jobs(url: str) -> dict[str, object]:
+    return dict(httpx.get(f"{url}/status", timeout=10).json()["jobs"])
+
+
+def _steps(stdout: str) -> list[int]:
+    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
+
+
+def _train(tmp_path: Path, url: str, *overrides: str) -> subprocess.CompletedProcess[str]:
+    args = ["train", "remote_backend=arctic", f"remote_backend.comms.url={url}", *QUICK]
+    args += [f"trainer.default_local_dir={tmp_path / 'ckpt'}", *overrides]
+    return cli(*args, cwd=tmp_path, timeout=600)
+
+
+def test_grpo_trains_against_the_arctic_server_and_destroys_its_jobs(server: tuple[str, str], tmp_path: Path) -> None:
+    url, generation = server
+    out = _train(tmp_path, url, "trainer.total_training_steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _steps(out.stdout)[-2:] == [1, 2]
+    # The sampler got the trained weights each step: its log-probs are the trainer's.
+    diffs = [float(p.split(":")[1]) for p in out.stdout.split() if p.startswith("training/rollout_probs_diff_max:")]
+    assert len(diffs) == 2 and max(diffs) < 1e-4
+    assert _jobs(url) == {}
+
+
+def test_resume_from_an_arctic_checkpoint(server: tuple[str, str], tmp_path: Path) -> None:
+    url, generation = server
+    first = _train(tmp_path, url, "trainer.total_training_steps=2", "trainer.save_freq=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    pointer = json.loads((tmp_path / "ckpt" / "global_step_2" / "actor" / "arctic_checkpoint.json").read_text())
+    assert pointer["step"] == 2 and pointer["generation"] == generation and Path(pointer["path"]).is_dir()
+
+    second = _train(tmp_path, url, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
+    if generation == "main":
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert _steps(second.stdout) == [3]
+    else:
+        assert second.returncode == 1
+        assert "Arctic protocol v0.1 at" in second.stderr and "has no load-checkpoint call" in second.stderr
+    assert _jobs(url) == {}
+
+
+def test_a_server_error_names_the_call_and_the_server_and_the_run_destroys_its_jobs(
+    server: tuple[str, str], tmp_path: Path
+) -> None:
+    url, generation = server
+    # Arctic's engines refuse the memory logits optimisation without ZoRRO: the first log-prob call fails.
+    route = "forward" if generation == "main" else "fwd-no-grad"
+    out = _train(tmp_path, url, "trainer.total_training_steps=2", "remote_backend.train.logits.optimization=memory")
+    assert out.returncode == 1
+    assert f"ArcticError: Arctic call forward (POST {url}/{route}?job_id=" in out.stderr
+    assert "HTTP 500: Internal Server Error" in out.stderr
+    assert _jobs(url) == {}
+
+
+def test_an_unreachable_server_fails_before_anything_is_created(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = _train(tmp_path, dead, "trainer.total_training_steps=1")
+    assert out.returncode == 1
+    assert f"cannot reach the Arctic server at {dead}" in out.stderr

@@ -67,7 +67,7 @@ def _train(tmp_path: Path, url: str, *overrides: str) -> subprocess.CompletedPro
 
 
 def test_grpo_trains_against_the_arctic_server_and_destroys_its_jobs(server: tuple[str, str], tmp_path: Path) -> None:
-    url, generation = server
+    url, _generation = server
     out = _train(tmp_path, url, "trainer.total_training_steps=2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert _steps(out.stdout)[-2:] == [1, 2]

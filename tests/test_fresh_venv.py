@@ -42,18 +42,18 @@ def _clean_env() -> dict[str, str]:
 
 def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
-    for project in (ROOT, TEST_PACKAGES / "echo-backend"):
+    for project in (ROOT, ROOT / "dists" / "verl-arctic", TEST_PACKAGES / "echo-backend"):
         out = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", wheels, project, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
     core = next(wheels.glob("verl_remote-*.whl"))
+    arctic = next(wheels.glob("verl_arctic-*.whl"))
     echo = next(wheels.glob("verl_remote_echo_backend-*.whl"))
 
     venv = tmp_path / "venv"
     assert run(sys.executable, "-m", "venv", venv).returncode == 0
     bin_dir = venv / "bin"
-    out = run(
-        bin_dir / "pip", "install", "-c", ROOT / "constraints" / "cpu.txt", core, echo, timeout=1200, env=_clean_env()
-    )
+    constraints = ROOT / "constraints" / "cpu.txt"
+    out = run(bin_dir / "pip", "install", "-c", constraints, core, arctic, echo, timeout=1200, env=_clean_env())
     assert out.returncode == 0, out.stderr[-3000:]
 
     work = tmp_path / "elsewhere"  # not the checkout, so nothing resolves from the source tree
@@ -66,13 +66,16 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path) -> None:
 
     code, stdout, stderr = in_venv(bin_dir / "verl-remote", "list")
     assert code == 0, stdout + stderr
-    assert stdout.splitlines()[1].split() == [
-        "echo",
-        "verl-remote-echo-backend",
-        "0.1.0",
-        "pkg://verl_remote_echo_backend/remote_backend/echo.yaml",
-        "ok",
+    assert [line.split() for line in stdout.splitlines()[1:]] == [
+        ["arctic", "verl-arctic", "0.1.0", "pkg://verl_arctic/remote_backend/arctic.yaml", "ok"],
+        ["echo", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/echo.yaml", "ok"],
+        ["local", "verl-remote", "0.1.0", "pkg://verl_remote.backends.local/remote_backend/local.yaml", "ok"],
+        ["twin", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/twin.yaml", "ok"],
     ]
+
+    code, stdout, stderr = in_venv(bin_dir / "verl-remote", "config", "remote_backend=arctic")
+    assert code == 0, stderr
+    assert yaml.safe_load(stdout)["remote_backend"]["comms"]["url"] == "http://127.0.0.1:7000"
 
     code, stdout, stderr = in_venv(
         bin_dir / "verl-remote", "config", "remote_backend=echo", "remote_backend.state_dir=/x"
@@ -93,4 +96,5 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path) -> None:
     code, stdout, stderr = in_venv(bin_dir / "verl-remote", "doctor")
     assert code == 0, stdout + stderr
     assert re.fullmatch(r"doctor: \d+ checks passed, 0 failed", stdout.splitlines()[-1]), stdout
+    assert "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads" in stdout

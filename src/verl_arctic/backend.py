@@ -14,8 +14,14 @@ import asyncio
 import json
 import logging
 import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
+import httpx
 from omegaconf import OmegaConf
 
 from verl_arctic.client import ArcticClient, ArcticError
@@ -179,13 +185,49 @@ def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
     return jobs
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the launched server when the process that launched it dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[bytes]:
+    """Start the Arctic service with ``command`` and wait until ``url``/health answers."""
+    proc = subprocess.Popen(shlex.split(command), preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + timeout
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise RuntimeError(f"the Arctic server command {command!r} exited with code {code} before becoming healthy")
+        try:
+            if httpx.get(f"{url.rstrip('/')}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise TimeoutError(
+                f"the Arctic server started with {command!r} was not healthy at {url} after {timeout:.0f}s"
+            )
+        time.sleep(0.5)
+
+
 class ArcticBackend(RemoteBackend):
     """Jobs on one Arctic server; every process holds its own HTTP client to it."""
 
-    def __init__(self, client: ArcticClient, jobs: dict[str, int], settings: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        client: ArcticClient,
+        jobs: dict[str, int],
+        settings: dict[str, Any],
+        server: subprocess.Popen[bytes] | None = None,
+    ) -> None:
         self.client = client
         self.jobs = jobs
         self.settings = settings
+        self.server = server  # the service process this backend launched, if it launched one
         self._destroyed = False
 
     @classmethod
@@ -193,8 +235,17 @@ class ArcticBackend(RemoteBackend):
         settings = as_dict(main_config.remote_backend)
         if handle is not None:
             return cls(_client(settings, str(handle["generation"])), dict(handle["jobs"]), settings)
-        client = _client(settings, str(settings["comms"].get("api", "auto")))
-        backend = cls(client, {}, settings)
+        comms = settings["comms"]
+        server = None
+        if comms.get("launch"):
+            server = launch_server(str(comms["launch"]), str(comms["url"]), float(comms.get("startup_timeout_s", 300)))
+        try:
+            client = _client(settings, str(comms.get("api", "auto")))
+        except BaseException:
+            if server is not None:
+                server.terminate()
+            raise
+        backend = cls(client, {}, settings, server)
         timeout = float(settings["comms"].get("job_ready_timeout_s", 1800))
         try:
             for job_type, body in job_configs(main_config, client.generation).items():
@@ -274,6 +325,12 @@ class ArcticBackend(RemoteBackend):
             except ArcticError as exc:  # keep going: the other jobs still hold GPUs
                 log.warning("verl-arctic: could not destroy %s job %d: %s", job_type, job_id, exc)
         self.client.close()
+        if self.server is not None:
+            self.server.terminate()
+            try:
+                await asyncio.to_thread(self.server.wait, 60)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
 
     # -- compute, used by this backend's worker and rollout server ---------------------------------
 

@@ -112,3 +112,14 @@ def test_an_unreachable_server_fails_before_anything_is_created(tmp_path: Path) 
     out = _train(tmp_path, dead, "trainer.total_training_steps=1")
     assert out.returncode == 1
     assert f"cannot reach the Arctic server at {dead}" in out.stderr
+
+
+def test_the_backend_can_launch_the_service_and_stops_it_at_the_end(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launch = f"{sys.executable} -m verl_arctic.testing.server --port {port} --api main"
+    out = _train(tmp_path, url, "trainer.total_training_steps=1", f"remote_backend.comms.launch='{launch}'")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _steps(out.stdout)[-1:] == [1]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 SPEC = BackendSpec(
     name="arctic",
     backend="verl_arctic.backend:ArcticBackend",
-    worker="verl_arctic.worker:ArcticForwarderWorker",
+    worker="verl_arctic.worker:ArcticRLActorRolloutRefWorker",
     rollout="verl_arctic.rollout:ArcticRolloutReplica",
     config_package="verl_arctic",
 )

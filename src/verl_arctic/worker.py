@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from verl_arctic.backend import ArcticBackend, as_dict
 from verl_remote.worker import RemoteForwarderWorker
 
-__all__ = ["ArcticForwarderWorker", "from_dense", "to_dense"]
+__all__ = ["ArcticRLActorRolloutRefWorker", "from_dense", "to_dense"]
 
 
 def _rows(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -69,7 +69,7 @@ def from_dense(values: torch.Tensor, p_lens: list[int], r_lens: list[int], width
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
-class ArcticForwarderWorker(RemoteForwarderWorker):
+class ArcticRLActorRolloutRefWorker(RemoteForwarderWorker):
     backend: ArcticBackend
 
     def __init__(self, config: Any, role: str, distillation_config: Any = None, **kwargs: Any) -> None:

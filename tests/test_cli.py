@@ -58,6 +58,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         "[ok  ] backend local (verl-remote 0.1.0) loads",
         "[ok  ] backend local: config group remote_backend/local composes",
         "[ok  ] Ray worker: backend local (verl-remote 0.1.0) loads",
+        "[ok  ] backend arctic (verl-arctic 0.1.0) loads",
+        "[ok  ] backend arctic: config group remote_backend/arctic composes",
+        "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads",
     ]
     for prefix in expected_ok:
         assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
@@ -65,8 +68,8 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         for where in ("", "Ray worker: "):
             prefix = f"[FAIL] {where}backend {name} (verl-remote-broken-backend 0.2.0) loads: backend '{name}'"
             assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
-    # 4 environment checks, 3 for each of echo, local and faulty; 2 for each broken registration.
-    assert lines[-1] == "doctor: 13 checks passed, 16 failed"
+    # 4 environment checks, 3 for each of arctic, echo, local and faulty; 2 for each broken registration.
+    assert lines[-1] == "doctor: 16 checks passed, 16 failed"
 
 
 @pytest.mark.parametrize(

@@ -105,6 +105,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else 0
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """What composes a run config, the same for every command that composes one."""
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override, key=value")
+    parser.add_argument("--recipe", metavar="FILE", help="a recipe YAML (see configs/) to compose instead")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-remote",
@@ -130,8 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Takes the same overrides as 'verl-remote train' and 'python -m verl.trainer.main_ppo', "
         "e.g. remote_backend=<name> algorithm.adv_estimator=grpo remote_backend.<key>=<value>.",
     )
-    p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override, key=value")
-    p.add_argument("--recipe", metavar="FILE", help="a recipe YAML (see configs/) to compose instead of the default")
+    _add_config_arguments(p)
     p.add_argument("--resolve", action="store_true", help="resolve interpolations before printing")
     p.set_defaults(func=_cmd_config)
 
@@ -142,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Takes every verl override. With no overrides it runs the demo: a tiny model, tokenizer and data set made "
         "locally on first use, GRPO, about 3 minutes on a laptop CPU. Ctrl-C stops the run and destroys the backend.",
     )
-    p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override, key=value")
-    p.add_argument("--recipe", metavar="FILE", help="a recipe YAML (see configs/) to compose instead of the default")
+    _add_config_arguments(p)
     p.set_defaults(func=_cmd_train)
 
     p = commands.add_parser(

@@ -71,11 +71,14 @@ def test_cli_config_prints_yaml_and_rejects_bad_input_with_exit_2() -> None:
 
 
 def test_a_recipe_composes_and_command_line_overrides_win(tmp_path: Path) -> None:
-    recipe = ROOT / "configs" / "cpu-small.yaml"
-    config = compose_config(["remote_backend=echo", "ray_kwargs.ray_init.num_cpus=6"], recipe=recipe)
-    assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
-    assert config.ray_kwargs.ray_init.num_cpus == 6
-    assert config.remote_backend.name == "echo"
+    recipe = ROOT / "configs" / "grpo-kl.yaml"
+    config = compose_config(["actor_rollout_ref.actor.kl_loss_coef=0.5"], recipe=recipe)
+    assert config.actor_rollout_ref.actor.use_kl_loss is True
+    assert config.actor_rollout_ref.actor.kl_loss_coef == 0.5
+    assert config.remote_backend.name == "local"
+    arctic = compose_config([], recipe=ROOT / "configs" / "arctic-test-server.yaml")
+    assert arctic.remote_backend.name == "arctic"
+    assert arctic.remote_backend.comms.launch.startswith("python -m verl_arctic.testing.server --port 7000")
 
     # A recipe may choose the backend itself.
     chooser = tmp_path / "uses_echo.yaml"

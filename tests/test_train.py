@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import cli
+from conftest import ROOT, cli
 
 pytestmark = pytest.mark.train
 
@@ -27,10 +27,8 @@ QUICK = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
 
 
 def _train(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    out = cli(
-        "train", f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK, *overrides, cwd=tmp_path, timeout=timeout
-    )
-    return out
+    args = ["train", *overrides, f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK]
+    return cli(*args, cwd=tmp_path, timeout=timeout)
 
 
 def _steps(stdout: str) -> list[int]:
@@ -186,3 +184,15 @@ def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(
     assert "set trainer.n_gpus_per_node=1 trainer.nnodes=1" in out.stderr
     assert _calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}
+
+
+def _metric(stdout: str, name: str) -> list[float]:
+    return [float(part.split(":")[1]) for part in stdout.split() if part.startswith(f"{name}:")]
+
+
+def test_a_kl_penalty_gets_reference_log_probs_from_the_frozen_initial_model(tmp_path: Path) -> None:
+    out = _train(tmp_path, "--recipe", str(ROOT / "configs" / "grpo-kl.yaml"), "trainer.total_training_steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(_metric(out.stdout, "timing_s/ref")) == 2  # verl asked for reference log-probs each step
+    kl = _metric(out.stdout, "actor/kl_loss")
+    assert kl[0] == 0.0 and kl[1] > 0.0  # identical to the reference before the first update, not after

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import cli, free_port
+from conftest import ROOT, cli, free_port
 
 pytestmark = pytest.mark.train
 
@@ -123,3 +123,24 @@ def test_the_backend_can_launch_the_service_and_stops_it_at_the_end(tmp_path: Pa
     assert _steps(out.stdout)[-1:] == [1]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_a_kl_penalty_gets_reference_log_probs_from_the_log_prob_job(server: tuple[str, str], tmp_path: Path) -> None:
+    url, _generation = server
+    recipe = str(ROOT / "configs" / "grpo-kl.yaml")
+    out = cli(
+        "train",
+        "--recipe",
+        recipe,
+        "remote_backend=arctic",
+        f"remote_backend.comms.url={url}",
+        *QUICK,
+        "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    kl = [float(p.split(":")[1]) for p in out.stdout.split() if p.startswith("actor/kl_loss:")]
+    assert kl[0] == 0.0 and kl[1] > 0.0  # the reference job keeps the initial weights; training moves away
+    assert _jobs(url) == {}

@@ -103,7 +103,8 @@ class RemoteForwarderWorker(Worker):
         for mini_batch in tu.make_iterator(
             tensors, mini_batch_size=per_rank, epochs=epochs, seed=seed, dataloader_kwargs=dataloader_kwargs
         ):
-            # verl's loss normalises by the global mini-batch, as its own workers do.
+            # verl's loss normalises by the global mini-batch, as its own workers do (the token count is
+            # this rank's times the rank count: exact with one forwarder, an estimate with more).
             meta["batch_num_tokens"] = int(mini_batch["response_mask"].values().sum()) * self.world_size
             meta["global_batch_size"] = mini_batch_size
             for key, value in self.backend_forward_backward(mini_batch, dict(meta)).items():
@@ -112,7 +113,8 @@ class RemoteForwarderWorker(Worker):
                 metrics.setdefault(key, []).append(float(value))
         lr = self.backend_end_of_step()
         if lr is not None:
-            metrics["lr"] = [lr]
+            # The learning rate the optimizer steps used, when the backend reported it; else the schedule's.
+            metrics.setdefault("lr", [lr])
         elapsed = time.perf_counter() - start
         seqlens = data["input_ids"].offsets().diff().tolist()
         out: dict[str, Any] = {key: values for key, values in metrics.items()}

@@ -15,9 +15,7 @@ from verl_remote.registry import (
     InstalledBackend,
     available_backends,
     installed_backend,
-    load_backend_class,
-    load_rollout_class,
-    load_worker_class,
+    resolve_class,
 )
 from verl_remote.spec import BackendSpec
 
@@ -59,9 +57,8 @@ def _inspect(backend: InstalledBackend, duplicated: bool) -> BackendReport:
     except BackendError as exc:
         return BackendReport(backend, None, str(exc))
     try:
-        load_backend_class(backend.name)
-        load_worker_class(backend.name)
-        load_rollout_class(backend.name)
+        for role in ("backend", "worker", "rollout"):
+            resolve_class(backend, spec, role)
     except BackendError as exc:
         return BackendReport(backend, spec, str(exc))
     group_error = config_group_error(spec)

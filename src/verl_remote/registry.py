@@ -33,6 +33,7 @@ __all__ = [
     "load_backend_class",
     "load_rollout_class",
     "load_worker_class",
+    "resolve_class",
 ]
 
 ENTRY_POINT_GROUP = "verl.remote_backends"
@@ -126,11 +127,16 @@ def get_backend_spec(name: str) -> BackendSpec:
     return installed_backend(name).load_spec()
 
 
-def _load_class(name: str, role: str, base: type[Any] = object) -> type[Any]:
-    installed = installed_backend(name)
-    spec = installed.load_spec()
+def resolve_class(installed: InstalledBackend, spec: BackendSpec, role: str) -> type[Any]:
+    """Import the ``backend``, ``worker`` or ``rollout`` class of a spec already loaded from ``installed``.
+
+    The backend class must subclass :class:`~verl_remote.RemoteBackend`.
+    """
+    from verl_remote.backend import RemoteBackend
+
+    base: type[Any] = RemoteBackend if role == "backend" else object
     target: str = getattr(spec, role)
-    where = f"backend '{name}' ({installed.distribution} {installed.version})"
+    where = f"backend '{installed.name}' ({installed.distribution} {installed.version})"
     try:
         obj = import_string(target)
     except SpecError as exc:
@@ -142,11 +148,14 @@ def _load_class(name: str, role: str, base: type[Any] = object) -> type[Any]:
     return obj
 
 
+def _load_class(name: str, role: str) -> type[Any]:
+    installed = installed_backend(name)
+    return resolve_class(installed, installed.load_spec(), role)
+
+
 def load_backend_class(name: str) -> type[RemoteBackend]:
     """Import the backend's :class:`~verl_remote.RemoteBackend` subclass."""
-    from verl_remote.backend import RemoteBackend
-
-    cls: type[RemoteBackend] = _load_class(name, "backend", RemoteBackend)
+    cls: type[RemoteBackend] = _load_class(name, "backend")
     return cls
 
 

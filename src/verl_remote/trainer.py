@@ -47,6 +47,7 @@ from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl_remote.backend import RemoteBackend
 from verl_remote.registry import load_backend_class, load_rollout_class, load_worker_class
 from verl_remote.train import RunSummary
+from verl_remote.worker import CUSTOM_KEY
 
 __all__ = ["CUSTOM_KEY", "MODE", "ROLLOUT_NAME", "RemotePPOTrainer", "RemoteTaskRunner", "SingleForwarderError"]
 
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 
 MODE = "remote"  # trainer.v1.trainer_mode
 ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
-CUSTOM_KEY = "verl_remote"  # key inside actor_rollout_ref.rollout.custom
 # Sections of the run config that forwarders and replicas receive, besides
 # actor_rollout_ref which verl already gives them.
 SHARED_SECTIONS = ("remote_backend", "data", "trainer", "algorithm")

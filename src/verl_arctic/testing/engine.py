@@ -15,7 +15,8 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from verl_remote.backends.local.engine import next_token_log_probs, sample_token
 
 __all__ = ["ACTOR_DEFAULTS", "JobModel"]
 
@@ -81,10 +82,8 @@ class JobModel:
             positions = ((mask.long().cumsum(-1) - 1).clamp(min=0)) * mask.long()
         logits = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False).logits
         logits = logits.float() / (temperature if temperature and temperature != 1.0 else 1.0)
-        log_softmax = F.log_softmax(logits, dim=-1)
-        labels = torch.roll(ids, shifts=-1, dims=-1)
-        log_probs = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        log_probs, entropy = next_token_log_probs(logits, ids)
+        assert entropy is not None
         return log_probs, entropy
 
     @torch.no_grad()
@@ -172,7 +171,6 @@ class JobModel:
 
     @torch.no_grad()
     def generate(self, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
-        from verl_remote.backends.local.engine import _sample
 
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         max_tokens = int(params.get("max_tokens") or 16)
@@ -185,7 +183,7 @@ class JobModel:
         for _ in range(max_tokens):
             out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            token, lp = _sample(
+            token, lp = sample_token(
                 out.logits[0, -1].float(), temperature, float(params.get("top_p", 1.0)), int(params.get("top_k") or -1)
             )
             tokens.append(token)

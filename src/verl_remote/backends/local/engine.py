@@ -32,7 +32,7 @@ from verl_remote.payload import Packed, to_nested
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerateResult", "LocalEngine"]
+__all__ = ["GenerateResult", "LocalEngine", "next_token_log_probs", "sample_token"]
 
 CHECKPOINT_FILE = "local_engine.pt"
 
@@ -128,17 +128,11 @@ class LocalEngine:
         """Flat predict-next log-probs (and entropy) in the packed layout of ``input_ids``."""
         ids, mask, lengths = self._dense(input_ids)
         logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
-        logits = logits / max(temperature, 1e-6)
-        log_softmax = F.log_softmax(logits, dim=-1)
-        next_ids = torch.roll(ids, shifts=-1, dims=1)
-        dense_lp = log_softmax.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+        dense_lp, dense_ent = next_token_log_probs(logits / max(temperature, 1e-6), ids, with_entropy)
         # The last real position of each sequence predicts nothing: 0, as in verl.
         last = torch.arange(ids.shape[1], device=ids.device)[None, :] >= (lengths.to(ids.device) - 1)[:, None]
         dense_lp = dense_lp.masked_fill(last, 0.0)
-        entropy = None
-        if with_entropy:
-            dense_ent = -(log_softmax.exp() * log_softmax).sum(-1).masked_fill(last, 0.0)
-            entropy = dense_ent[mask]
+        entropy = dense_ent.masked_fill(last, 0.0)[mask] if dense_ent is not None else None
         return dense_lp[mask], entropy
 
     @torch.no_grad()
@@ -240,7 +234,7 @@ class LocalEngine:
                 out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 logits = out.logits[0, -1].float()
-                token, lp = _sample(logits, temperature, top_p, top_k)
+                token, lp = sample_token(logits, temperature, top_p, top_k)
                 tokens.append(token)
                 token_log_probs.append(lp)
                 if token in stop_token_ids:
@@ -319,7 +313,22 @@ def _jagged(values: torch.Tensor, layout: Packed) -> torch.Tensor:
     )
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[int, float]:
+def next_token_log_probs(
+    logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dense [B, L] ``log p(ids[:, t+1])`` at each position ``t`` (roll(-1)), and the entropy there.
+
+    ``logits`` are already divided by the temperature. Positions past a row's end
+    hold whatever the roll brings; callers mask them in their own layout.
+    """
+    log_softmax = F.log_softmax(logits.float(), dim=-1)
+    next_ids = torch.roll(ids, shifts=-1, dims=-1)
+    log_probs = log_softmax.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None
+    return log_probs, entropy
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[int, float]:
     """One token from ``logits`` and its log-prob under the temperature-scaled distribution."""
     if temperature <= 0:
         log_probs = F.log_softmax(logits, dim=-1)

@@ -13,12 +13,6 @@ __all__ = ["ArcticRolloutReplica", "ArcticRolloutServer"]
 class ArcticRolloutServer(RemoteRolloutServer):
     backend: ArcticBackend
 
-    def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
-        super().__init__(rollout_config, model_config, replica_rank)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_config.path))
-
     async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
         # Arctic's /generate takes text: the prompt goes back through the tokenizer, special tokens kept.
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)

@@ -46,7 +46,10 @@ class RemoteRolloutServer:
         main_config = OmegaConf.merge(shared, {"actor_rollout_ref": {"model": model_config}})
         self.backend: RemoteBackend = load_backend_class(name).from_config(main_config, handle=handle)
         self.global_steps = 0
-        self.stop_token_ids = _stop_token_ids(str(model_config.path))
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_config.path))
+        self.stop_token_ids = _stop_token_ids(self.tokenizer, str(model_config.path))
 
     async def ready(self) -> bool:
         return True
@@ -91,7 +94,8 @@ class RemoteRolloutServer:
 
         ``sampling_params`` as verl sends them: ``temperature``, ``top_p``,
         ``top_k``, ``repetition_penalty`` and ``logprobs`` (whether per-token
-        log-probs are wanted). ``self.stop_token_ids`` are the model's EOS ids.
+        log-probs are wanted). ``self.stop_token_ids`` are the model's EOS ids;
+        ``self.tokenizer`` is the model's tokenizer.
         """
         raise NotImplementedError
 
@@ -136,11 +140,10 @@ class RemoteRolloutReplica(RolloutReplica):
         self._server_address = f"verl-remote://replica/{self.replica_rank}{self.name_suffix}"
 
 
-def _stop_token_ids(model_path: str) -> list[int]:
+def _stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
     """The model's EOS ids: the tokenizer's, and the generation config's when it has more."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id

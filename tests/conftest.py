@@ -6,6 +6,7 @@ environment (``nox -s tests`` does it); they fail, not skip, without them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -92,16 +93,17 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-@pytest.fixture(params=["v0.1", "main"])
-def arctic_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """(url, generation) of a running test server, stopped after the test."""
+@contextlib.contextmanager
+def serving_test_server(generation: str, **flags: Any) -> Iterator[str]:
+    """The Arctic test server (``create_app(generation, **flags)``) in this process; its URL, stopped on exit."""
     import uvicorn
 
     from verl_arctic.testing.server import create_app
 
-    generation = str(request.param)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(generation), host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(generation, **flags), host="127.0.0.1", port=port, log_level="critical")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -109,7 +111,14 @@ def arctic_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
         assert thread.is_alive() and time.monotonic() < deadline, "the Arctic test server did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", generation
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture(params=["v0.1", "main"])
+def arctic_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(url, generation) of a running test server, stopped after the test."""
+    with serving_test_server(str(request.param)) as url:
+        yield url, str(request.param)

@@ -67,10 +67,23 @@ def _client(settings: dict[str, Any], generation: str) -> ArcticClient:
     )
 
 
+def _training_steps(config: Any, actor: dict[str, Any]) -> int | None:
+    """verl's number of training steps, when it is known before verl counts its data (0 when it is not).
+
+    verl sets ``actor.optim.total_training_steps`` from the data set's length after the backend is built;
+    Arctic fixes its learning-rate schedule when the training job is created, so only
+    ``trainer.total_training_steps`` can size it then.
+    """
+    for steps in (actor["optim"].get("total_training_steps"), config.trainer.get("total_training_steps")):
+        if steps is not None and int(steps) > 0:
+            return int(steps)
+    return None
+
+
 def _optim(actor: dict[str, Any], horizon: int) -> tuple[dict[str, Any], float]:
     optim = actor["optim"]
     clip = float(optim.get("clip_grad") or actor.get("grad_clip") or 0.0)
-    total = max(int(optim.get("total_training_steps") or 1), 1)
+    total = max(horizon, 1)
     warmup = int(optim.get("lr_warmup_steps") or -1)
     if warmup <= 0:
         warmup = round(float(optim.get("lr_warmup_steps_ratio") or 0.0) * horizon)
@@ -85,25 +98,73 @@ def _optim(actor: dict[str, Any], horizon: int) -> tuple[dict[str, Any], float]:
     }, clip
 
 
+#: What Arctic's ``verl_grpo`` loss computes whatever verl's config says (arctic-platform 0.1.2
+#: rl/processors/verl_grpo.py:195-198, 0.1.4 the same): clip ratios fixed, the vanilla policy loss.
+ARCTIC_LOSS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+
+
+def check_objective(actor: dict[str, Any]) -> None:
+    """Refuse verl loss settings Arctic's server would silently replace with its own."""
+    for key, fixed in ARCTIC_LOSS.items():
+        value = actor.get(key)
+        if value is not None and float(value) != fixed:
+            raise ValueError(
+                f"actor_rollout_ref.actor.{key}={value}: Arctic's verl_grpo loss clips at 0.2 (low and high) with a "
+                f"dual-clip bound of 3.0 whatever it is sent, so it would train a different objective; "
+                f"set actor_rollout_ref.actor.{key}={fixed}"
+            )
+    mode = str((actor.get("policy_loss") or {}).get("loss_mode") or "vanilla")
+    if mode != "vanilla":
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}: Arctic's verl_grpo loss is verl's vanilla PPO "
+            "policy loss only; set actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"
+        )
+
+
+def _zero(deepspeed: dict[str, Any]) -> dict[str, Any]:
+    return dict(deepspeed.get("zero_optimization") or {})
+
+
 def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
     """The ``/initialize`` bodies, by job type, for a composed run config (docs/arctic-backend.md maps each key)."""
     settings = as_dict(config.remote_backend)
     actor = as_dict(config.actor_rollout_ref.actor)
+    model_config = config.actor_rollout_ref.model
     rollout = config.actor_rollout_ref.rollout
-    model = str(config.actor_rollout_ref.model.path)
+    model = str(model_config.path)
     rollout_n = int(rollout.n)
     train_batch = int(actor["ppo_mini_batch_size"]) * rollout_n
     mini_batches = max(int(config.data.train_batch_size) * rollout_n // train_batch, 1)
-    horizon = int(actor["optim"].get("total_training_steps") or 1) * int(actor.get("ppo_epochs", 1)) * mini_batches
+    steps = _training_steps(config, actor)
+    horizon = (steps or 1) * int(actor.get("ppo_epochs", 1)) * mini_batches
     optim, clip = _optim(actor, horizon)
+    if steps is None and (optim["scheduler"] == "cosine" or float(actor["optim"].get("lr_warmup_steps_ratio") or 0)):
+        raise ValueError(
+            f"actor_rollout_ref.actor.optim.lr_scheduler_type={optim['scheduler']} with a warm-up ratio needs the "
+            "number of training steps before the run starts: Arctic fixes its learning-rate schedule when the "
+            "training job is created; set trainer.total_training_steps"
+        )
     deepspeed = dict(settings["train"]["deepspeed"])
     micro = int(actor.get("ppo_micro_batch_size_per_gpu") or 1)
     gpus = max(int(settings.get("training_gpus", 1)), 1)
+    if train_batch % (micro * gpus):
+        raise ValueError(
+            f"Arctic trains each mini-batch of {train_batch} sequences (ppo_mini_batch_size x rollout.n) on "
+            f"{gpus} GPU(s) in micro-batches of {micro} (ppo_micro_batch_size_per_gpu); DeepSpeed needs the first "
+            "to be a multiple of the product: change ppo_mini_batch_size or ppo_micro_batch_size_per_gpu"
+        )
     ds_config = {
         **deepspeed,
         "train_micro_batch_size_per_gpu": micro,
         "train_batch_size": train_batch,
-        "gradient_accumulation_steps": max(1, train_batch // (micro * gpus)),
+        "gradient_accumulation_steps": train_batch // (micro * gpus),
+    }
+    # Arctic's workers load the model with this attention backend (main requires one); verl's override, or
+    # the flash-attention default Arctic's own verl integration sends.
+    override = model_config.get("override_config") or {}
+    worker = {
+        "attn_implementation": str(override.get("attn_implementation") or "flash_attention_2"),
+        "enable_gradient_checkpointing": bool(model_config.get("enable_gradient_checkpointing", False)),
     }
     determinism = settings["train"]["determinism"]
     arctic_inference = dict(settings["rollout"])
@@ -113,7 +174,7 @@ def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
         "job_type": "training",
         "full_determinism": bool(determinism["full"]),
         "checkpoint_path": os.path.abspath(str(config.trainer.default_local_dir)),
-        "ds_worker_config": {"enable_gradient_checkpointing": False},
+        "ds_worker_config": worker,
     }
     if generation == "main":
         ds = dict(ds_config)
@@ -123,15 +184,29 @@ def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
         }
         if clip > 0:
             ds["gradient_clipping"] = clip
-        scheduler_type = "WarmupCosineLR" if optim["scheduler"] == "cosine" else "WarmupLR"
-        ds["scheduler"] = {
-            "type": scheduler_type,
-            "params": {
-                "warmup_num_steps": optim["warmup_steps"],
-                "total_num_steps": horizon,
-                "cos_min_ratio": optim["min_lr_ratio"],
-            },
-        }
+        # DeepSpeed's schedulers take only their own keyword arguments and a positive integer warm-up; a
+        # constant rate without warm-up is no scheduler at all. DeepSpeed warms up over at least 2 steps.
+        if optim["scheduler"] == "cosine":
+            ds["scheduler"] = {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": horizon,
+                    "warmup_num_steps": max(1, optim["warmup_steps"]),
+                    "warmup_min_ratio": 0.0,
+                    "cos_min_ratio": optim["min_lr_ratio"],
+                    "warmup_type": "linear",
+                },
+            }
+        elif optim["warmup_steps"] > 0:
+            ds["scheduler"] = {
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.0,
+                    "warmup_max_lr": optim["lr"],
+                    "warmup_num_steps": optim["warmup_steps"],
+                    "warmup_type": "linear",
+                },
+            }
         training |= {
             "ds_config": ds,
             "cuda_ipc": bool(settings["weight_sync"]["cuda_ipc"]),
@@ -165,12 +240,19 @@ def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
             "enforce_eager": bool(rollout.get("enforce_eager", True)),
         },
     }
+    # The reference engine is forward-only: DeepSpeed refuses ZeRO stages 1 and 2 without an optimizer,
+    # so it shards parameters (stage 3) when training does and runs unsharded (stage 0) otherwise.
+    zero = _zero(deepspeed)
+    reference_zero = {"stage": 3 if int(zero.get("stage", 0)) == 3 else 0}
+    if "offload_param" in zero:
+        reference_zero["offload_param"] = zero["offload_param"]
     log_prob = {
         **common,
         "job_type": "log_prob",
         "full_determinism": bool(determinism["full"]),
         "ds_config": {k: v for k, v in ds_config.items() if k != "optimizer"},
-        "log_prob_config": {"zero_optimization": deepspeed.get("zero_optimization", {})},
+        "ds_worker_config": worker,
+        "log_prob_config": {"zero_optimization": reference_zero},
     }
     # Arctic's creation order: sampling, the reference, then training (the weight-sync root) last.
     jobs = {"sampling": sampling}
@@ -183,6 +265,43 @@ def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
         jobs["log_prob"] = log_prob
     jobs["training"] = training
     return jobs
+
+
+def refusal_hint(job_type: str, body: dict[str, Any], generation: str) -> str:
+    """What in ``body`` Arctic's DeepSpeed is known to refuse; Arctic answers every such failure with a bare 500."""
+    hints = []
+    ds = body.get("ds_config") or {}
+    if job_type == "training":
+        stage = int(_zero(ds).get("stage", 0))
+        data_types = ds.get("data_types") or {}
+        if stage == 0 and str(data_types.get("grad_accum_dtype", "fp32")) in ("fp32", "float32"):
+            hints.append(
+                "ZeRO stage 0 with Arctic's bf16 weights and fp32 gradient accumulation is refused by DeepSpeed: "
+                "set remote_backend.train.deepspeed.zero_optimization.stage to 1, 2 or 3"
+            )
+        schedule = (body.get("training_config") or {}).get("lr_scheduler") or {}
+        if generation == "v0.1" and (schedule.get("type") == "cosine" or float(schedule.get("warmup_ratio") or 0) > 0):
+            hints.append(
+                "arctic-platform 0.1.2 hands DeepSpeed a fractional warm-up step count, which DeepSpeed 0.19.8 "
+                "refuses: with protocol v0.1 use a constant learning rate without warm-up "
+                "(actor_rollout_ref.actor.optim.lr_scheduler_type=constant, lr_warmup_steps_ratio=0)"
+            )
+    if job_type == "log_prob" and int(_zero(body.get("log_prob_config") or {}).get("stage", 0)) in (1, 2):
+        hints.append("a forward-only DeepSpeed engine cannot use ZeRO stage 1 or 2")
+    hints.append(f"the server's own log names the cause (the {job_type} job's body is {json.dumps(body)[:2000]})")
+    return "; ".join(hints)
+
+
+def check_server_size(client: ArcticClient, settings: dict[str, Any]) -> None:
+    """The GPUs the server was launched with must be the ones the job configs are sized for."""
+    status = client.call("status")
+    for key in ("training_gpus", "sampling_gpus", "log_prob_gpus"):
+        mine, theirs = int(settings.get(key, 1)), status.get(key)
+        if theirs is not None and int(theirs) != mine and (key == "training_gpus" or (mine > 0) != (int(theirs) > 0)):
+            raise ValueError(
+                f"remote_backend.{key}={mine}, but the Arctic server at {client.url} was launched with "
+                f"--{key.replace('_', '-')} {theirs}: set remote_backend.{key}={theirs}"
+            )
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -248,10 +367,18 @@ class ArcticBackend(RemoteBackend):
         backend = cls(client, {}, settings, server)
         timeout = float(settings["comms"].get("job_ready_timeout_s", 1800))
         try:
+            check_objective(as_dict(main_config.actor_rollout_ref.actor))
+            check_server_size(client, settings)
             for job_type, body in job_configs(main_config, client.generation).items():
                 if job_type == "sampling" and int(settings.get("sampling_gpus", 1)) <= 0:
                     continue
-                job_id = client.initialize(body)
+                try:
+                    job_id = client.initialize(body)
+                except ArcticError as exc:
+                    if exc.status != 500:
+                        raise
+                    hint = refusal_hint(job_type, body, client.generation)
+                    raise ArcticError(f"{exc}. {hint}", status=500) from exc
                 backend.jobs[job_type] = job_id
                 client.wait_running(job_id, timeout)
                 log.info(

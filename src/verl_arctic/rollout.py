@@ -10,6 +10,32 @@ from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer, Sampl
 __all__ = ["ArcticRolloutReplica", "ArcticRolloutServer"]
 
 
+def sampled_log_probs(result: dict[str, Any], tokens: list[int], url: str) -> list[float]:
+    """The log-prob of each sampled token from a /generate result (one ``{token_id: {"logprob"}}`` per token).
+
+    verl asks for them when ``actor_rollout_ref.rollout.calculate_log_probs`` is on; a server whose answer
+    lacks them is named with what it sent, and the setting that avoids asking.
+    """
+    entries = result.get("logprobs")
+    fix = "set actor_rollout_ref.rollout.calculate_log_probs=false to train without sampled log-probs"
+    if not isinstance(entries, list) or len(entries) != len(tokens):
+        got = "no 'logprobs'" if entries is None else f"'logprobs' of {type(entries).__name__} {str(entries)[:200]}"
+        raise ValueError(
+            f"Arctic's /generate at {url} was asked for sampled log-probs (logprobs=0) but answered with {got} for "
+            f"{len(tokens)} sampled tokens (answer keys: {sorted(result)}); {fix}"
+        )
+    out = []
+    for position, (entry, token) in enumerate(zip(entries, tokens, strict=True)):
+        found = entry.get(str(token), entry.get(token)) if isinstance(entry, dict) else None
+        if not isinstance(found, dict) or "logprob" not in found:
+            raise ValueError(
+                f"Arctic's /generate at {url} answered without the log-prob of sampled token {token} at position "
+                f"{position} (its entry: {str(entry)[:200]}); {fix}"
+            )
+        out.append(float(found["logprob"]))
+    return out
+
+
 class ArcticRolloutServer(RemoteRolloutServer):
     backend: ArcticBackend
 
@@ -28,10 +54,7 @@ class ArcticRolloutServer(RemoteRolloutServer):
         }
         result = await self.backend.generate(prompt, params)
         tokens = [int(t) for t in result["token_ids"]]
-        log_probs = None
-        if want_logprobs:
-            entries = result.get("logprobs") or []
-            log_probs = [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, tokens, strict=True)]
+        log_probs = sampled_log_probs(result, tokens, self.backend.client.url) if want_logprobs else None
         stop = "aborted" if result.get("finish_reason") == "abort" else "completed"
         return SampleResult(tokens, log_probs, stop)
 

@@ -2,10 +2,14 @@
 
 - ``torch`` (protocol generation v0.1): ``torch.save`` of plain containers of
   tensors and JSON scalars. Decoding uses ``torch.load(weights_only=True)``,
-  which refuses arbitrary pickled objects. (A real v0.1 server with several
-  data-parallel ranks answers with ``collections.defaultdict`` values, which
-  torch's weights-only loader cannot rebuild; the client will need a restricted
-  unpickler for those, not ``weights_only=False``.)
+  which refuses arbitrary pickled objects, with its allowlist extended by
+  exactly one container Arctic's server code produces: the
+  ``collections.defaultdict(list)`` of ``merge_dict_shards``
+  (``rl/utils/batch.py:198-219`` in arctic-platform 0.1.2), which the
+  forward route answers with when the job has several data-parallel ranks
+  (``rl/http_server.py:429-437``). It decodes to a plain dict, so a missing
+  key is a KeyError, not a silently created empty list. Anything else that is
+  not plain data is refused with the offending global named.
 - ``dssst1`` (generation main): one safetensors frame whose ``__metadata__``
   holds the structure (``{"v": "DSSST1", "tree": node}``) and whose tensors are
   named by their dotted path. No pickle at all. See docs/arctic-protocol.md §4.2.
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import threading
 from typing import Any
 
 import torch
@@ -41,12 +47,47 @@ def encode_torch(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+# Arctic's server pickles one container beyond torch's weights-only defaults: merge_dict_shards's
+# ``defaultdict(list)``, whose pickle names ``collections.defaultdict`` and its ``list`` default
+# factory. torch cannot rebuild a defaultdict even when it is allowlisted (its unpickler sets items
+# on plain dicts only), so those two names are allowlisted as stand-ins instead: the factory as an
+# inert marker, the class as a function that accepts only that marker and returns an empty plain
+# dict for the pickle to fill. Nothing else is added; no other name resolves.
+_LIST_FACTORY = object()
+
+
+def _merged_dict(default_factory: object) -> dict[Any, Any]:
+    # The process may have allowlisted the real ``list`` itself; torch then resolves the name to it.
+    if default_factory is not _LIST_FACTORY and default_factory is not list:
+        raise WireError("refusing a collections.defaultdict whose default factory is not list")
+    return {}
+
+
+ARCTIC_CONTAINERS: list[tuple[Any, str]] = [
+    (_merged_dict, "collections.defaultdict"),
+    (_LIST_FACTORY, "builtins.list"),
+]
+# torch's allowlist is one process-wide set that its context manager adds to and removes from.
+_ALLOWLIST_LOCK = threading.Lock()
+
+
 def decode_torch(data: bytes) -> Any:
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with _ALLOWLIST_LOCK, torch.serialization.safe_globals(ARCTIC_CONTAINERS):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except WireError:
+        raise
     except Exception as exc:
         lines = str(exc).splitlines()
-        reason = next((line.strip() for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+        unsupported = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if unsupported is not None:
+            name = unsupported.group(1)
+            raise WireError(
+                f"refusing to unpickle {name}: an Arctic v0.1 payload holds only tensors, plain containers "
+                "(dict, list, tuple, collections.defaultdict(list)) and scalars"
+            ) from exc
+        detail = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", str(exc), re.DOTALL)
+        reason = " ".join(detail.group(1).split()) if detail else (lines[0] if lines else "")
         raise WireError(f"not a plain-data torch.save payload: {type(exc).__name__}: {reason}") from exc
 
 
@@ -119,22 +160,35 @@ def _decode_node(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise WireError(f"unknown DSSST1 node tag {tag!r}")
 
 
-def decode_dssst1(data: bytes) -> Any:
+def _frame(data: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The safetensors header and tensors of ``data``; ValueError when it is not a safetensors frame."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    if data.startswith(_PICKLE_OR_ZIP):
-        raise WireError(
-            "refusing to deserialize a legacy pickle/torch.save payload; "
-            "the peer must use the DSSST1 safetensors wire protocol"
-        )
     if len(data) < 8 or not 0 < int.from_bytes(data[:8], "little") <= min(MAX_HEADER, len(data) - 8):
-        raise WireError("not a valid DSSST1 safetensors payload: bad header length")
+        raise ValueError("bad header length")
     header_len = int.from_bytes(data[:8], "little")
     try:
         header = json.loads(data[8 : 8 + header_len])
         tensors = load(data)
-    except (ValueError, SafetensorError) as exc:
+    except SafetensorError as exc:
+        raise ValueError(str(exc)) from exc
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, tensors
+
+
+def decode_dssst1(data: bytes) -> Any:
+    # A frame is tried first, as Arctic's wire.loads does: a valid frame's 8-byte header length can itself
+    # start with a pickle signature (a header of 640 bytes is b"\x80\x02...").
+    try:
+        header, tensors = _frame(data)
+    except ValueError as exc:
+        if data.startswith(_PICKLE_OR_ZIP):
+            raise WireError(
+                "refusing to deserialize a legacy pickle/torch.save payload; "
+                "the peer must use the DSSST1 safetensors wire protocol"
+            ) from exc
         raise WireError(f"not a valid DSSST1 safetensors payload: {exc}") from exc
     dss = (header.get("__metadata__") or {}).get("dss")
     if dss is None:

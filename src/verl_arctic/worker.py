@@ -106,10 +106,12 @@ class ArcticRLActorRolloutRefWorker(RemoteForwarderWorker):
         batch, p_lens, r_lens, width_p = to_dense(data, self.pad_token_id)
         meta = self._meta(temperature, calculate_entropy)
         meta |= {"max_prompt_len": width_p, "max_response_len": batch["responses"].shape[1]}
+        # verl computes log-probs of logits divided by the rollout temperature, and so does Arctic's update
+        # (apply_temperature in its post list): the forward must too, or the first PPO ratio is not 1.
         payload = {
             "batch": batch,
             "meta": meta,
-            "processing": {"post": ["compute_entropy_and_logprobs"], "loss_fn": None},
+            "processing": {"post": ["apply_temperature", "compute_entropy_and_logprobs"], "loss_fn": None},
         }
         out = self.backend.forward(payload, reference=reference)["batch"]
         log_probs = from_dense(out["logprobs"], p_lens, r_lens, width_p)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,11 +27,16 @@ QUICK = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
 
 @pytest.fixture(params=["v0.1", "main"])
 def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    generation = str(request.param)
+    with _serving(str(request.param), tmp_path) as url:
+        yield url, str(request.param)
+
+
+@contextmanager
+def _serving(generation: str, tmp_path: Path, *flags: str) -> Iterator[str]:
     port = free_port()
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "verl_arctic.testing.server", "--port", str(port), "--api", generation],
+        [sys.executable, "-m", "verl_arctic.testing.server", "--port", str(port), "--api", generation, *flags],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -45,7 +51,7 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
         time.sleep(0.2)
     try:
-        yield url, generation
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -144,3 +150,25 @@ def test_a_kl_penalty_gets_reference_log_probs_from_the_log_prob_job(server: tup
     kl = [float(p.split(":")[1]) for p in out.stdout.split() if p.startswith("actor/kl_loss:")]
     assert kl[0] == 0.0 and kl[1] > 0.0  # the reference job keeps the initial weights; training moves away
     assert _jobs(url) == {}
+
+
+def test_a_sampler_without_log_probs_fails_the_step_in_its_own_words_or_trains_without_them(tmp_path: Path) -> None:
+    (tmp_path / "asked").mkdir()
+    (tmp_path / "without").mkdir()
+    with _serving("main", tmp_path, "--without-sampled-logprobs") as url:
+        asked = _train(tmp_path / "asked", url, "trainer.total_training_steps=1")
+        assert asked.returncode == 1
+        assert f"Arctic's /generate at {url} was asked for sampled log-probs (logprobs=0) but answered with no " in (
+            asked.stderr
+        )
+        assert "set actor_rollout_ref.rollout.calculate_log_probs=false" in asked.stderr
+        assert _jobs(url) == {}
+        without = _train(
+            tmp_path / "without",
+            url,
+            "trainer.total_training_steps=1",
+            "actor_rollout_ref.rollout.calculate_log_probs=false",
+        )
+        assert without.returncode == 0, without.stderr[-3000:]
+        assert _steps(without.stdout)[-1:] == [1]
+        assert "training/rollout_probs_diff_max" not in without.stdout

@@ -1,4 +1,10 @@
-"""verl-arctic's client against the protocol-faithful test server, both generations, over HTTP."""
+"""verl-arctic's client against the test server, both generations, over HTTP.
+
+Route by route agreement with Arctic's own server is tests/arctic/test_real_server.py;
+this file checks what the client makes of the answers, and the training
+semantics the test server models: DeepSpeed's accumulation boundary, data
+parallelism, learning-rate warmup, weight syncs, checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +13,18 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from conversation import forward_payload, training_config, update_payload
 
+from conftest import serving_test_server
 from verl_arctic import wire
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation
+from verl_arctic.testing.engine import DeepSpeedRefusal, deepspeed_setup
 from verl_remote.demo.assets import ensure_demo_assets
 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
     return str(ensure_demo_assets().model_path)
-
-
-def _dense_batch(pad: int) -> dict[str, torch.Tensor]:
-    """Two rows in Arctic's layout: prompts left-padded to P=5, responses right-padded to R=3."""
-    prompts = torch.tensor([[3, 13, 15, 2, 8], [pad, 3, 13, 2, 8]])
-    responses = torch.tensor([[15, 15, 2], [7, pad, pad]])
-    input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = (input_ids != pad).long()
-    response_mask = torch.zeros_like(input_ids)
-    response_mask[:, 5:] = (responses != pad).long()
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "loss_mask": response_mask,
-    }
 
 
 def test_the_generation_is_detected_without_side_effects(arctic_server: tuple[str, str]) -> None:
@@ -43,22 +34,20 @@ def test_the_generation_is_detected_without_side_effects(arctic_server: tuple[st
     assert ArcticClient(url).call("status")["jobs"] == {}
 
 
-def test_job_lifecycle_and_the_servers_own_error_texts(
+def test_errors_name_the_call_the_url_and_the_servers_own_text(
     arctic_server: tuple[str, str], model_path: str, tmp_path: Path
 ) -> None:
     url, generation = arctic_server
     client = ArcticClient(url, generation)
-    sampling = client.initialize({"model_name": model_path, "job_type": "sampling", "seed": 1})
-    training = client.initialize({"model_name": model_path, "job_type": "training", "checkpoint_path": str(tmp_path)})
+    sampling = client.initialize({"model_name": model_path, "job_type": "sampling"})
+    training = client.initialize(training_config(model_path, str(tmp_path), generation, ranks=1))
     assert (sampling, training) == (1, 2)
     client.wait_running(training, timeout=10)
     info = client.job(training)
     assert info["status"] == "RUNNING" and info["checkpoint_path"] == str(tmp_path / "arctic_rl_job_2")
-    assert set(client.call("status")["jobs"]) == {"1", "2"}
-
-    with pytest.raises(ArcticError, match="HTTP 409: Training job already running") as dup:
-        client.initialize({"model_name": model_path, "job_type": "training", "checkpoint_path": str(tmp_path)})
-    assert dup.value.status == 409
+    with pytest.raises(ArcticError, match="HTTP 409: Training job already running") as duplicate:
+        client.initialize(training_config(model_path, str(tmp_path), generation, ranks=1))
+    assert duplicate.value.status == 409
     with pytest.raises(
         ArcticError,
         match=r"Arctic call step \(POST http://127.0.0.1:\d+/step\?job_id=1\) failed: "
@@ -67,82 +56,121 @@ def test_job_lifecycle_and_the_servers_own_error_texts(
         client.step(sampling)
     with pytest.raises(ArcticError, match="HTTP 404: Job 9 not found"):
         client.step(9)
-    # Arctic's forward route looks the job up before checking it: unknown jobs are a bare 500.
-    with pytest.raises(ArcticError, match="HTTP 500: Internal Server Error"):
-        client.forward(9, {"batch": {}, "meta": {}, "processing": {}})
-
+    with pytest.raises(ArcticError, match="HTTP 500: Internal Server Error"):  # Arctic looks the job up unchecked
+        client.forward(9, forward_payload(4, 0))
+    with pytest.raises(ArcticError, match=r"HTTP 422: .*'loc': \['body', 'model_name'\]"):
+        client.initialize({"job_type": "sampling"})
     client.destroy(training, "training")
     with pytest.raises(ArcticError, match=f"Arctic call job \\(GET {url}/job/2\\) failed: HTTP 404: Job 2 not found"):
         client.job(training)
-    client.destroy(sampling, "sampling")
 
 
-def test_forward_update_step_sync_and_generate(arctic_server: tuple[str, str], model_path: str, tmp_path: Path) -> None:
-    url, generation = arctic_server
-    client = ArcticClient(url, generation)
-    sampling = client.initialize({"model_name": model_path, "job_type": "sampling"})
-    optimizer = {"lr": 0.05, "betas": [0.9, 0.999], "weight_decay": 0.0}
-    config = {"model_name": model_path, "job_type": "training", "checkpoint_path": str(tmp_path)}
-    if generation == "main":
-        config["ds_config"] = {"optimizer": {"type": "AdamW", "params": optimizer}, "gradient_clipping": 1.0}
-    else:
-        config["training_config"] = {"training_horizon": 4, "optimizer": {**optimizer, "gradient_clipping": 1.0}}
-    training = client.initialize(config)
+@pytest.mark.parametrize("generation", ["v0.1", "main"])
+def test_an_update_changes_the_weights_only_at_the_accumulation_boundary(
+    generation: str, model_path: str, tmp_path: Path
+) -> None:
+    with serving_test_server(generation, training_gpus=2) as url:
+        client = ArcticClient(url, generation)
+        training = client.initialize(training_config(model_path, str(tmp_path), generation))
+        sampling = client.initialize({"model_name": model_path, "job_type": "sampling"})
+        before = client.forward(training, forward_payload(4, 0))["batch"]["logprobs"]
+        assert before.shape == (4, 8) and before.dtype == torch.float32
+        # 2 ranks x 2 micro-batches: each update carries 4 rows; the weights move at /step only.
+        update = client.forward_backward(training, update_payload(4, 0))
+        assert set(update) == {"job_id", "metrics", "avg_loss"}
+        assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "loss"} <= set(
+            update["metrics"]
+        )
+        assert torch.equal(client.forward(training, forward_payload(4, 0))["batch"]["logprobs"], before)
+        stepped = client.step(training)["metrics"]
+        assert stepped["last_lr"] == [0.01, 0.01] and len(stepped["grad_norm"]) == 2  # one value per rank
+        after = client.forward(training, forward_payload(4, 0))["batch"]["logprobs"]
+        assert not torch.equal(after, before)
 
-    pad = 0
-    batch = _dense_batch(pad)
-    meta = {"temperature": 1.0, "calculate_entropy": True, "pad_token_id": pad, "drop_position_ids": True}
-    forward = client.forward(training, {"batch": batch, "meta": meta, "processing": {"post": [], "loss_fn": None}})
-    logprobs = forward["batch"]["logprobs"]
-    assert logprobs.shape == (2, 8) and forward["batch"]["entropy"].shape == (2, 8)
-    assert logprobs[1, 0] == pad and logprobs[1, 6] == pad  # padded positions carry pad_token_id
-    assert (logprobs[0, :7] < 0).all()  # roll(-1): position i is log p(token i+1)
+        norms = client.weight_norm(training, sampling)
+        assert norms["training_norm"] != pytest.approx(norms["sampling_norm"])
+        client.wake_inference(sampling, ["weights"])
+        client.weight_sync(training, sampling, colocate=True, cuda_ipc=False, low_memory=False)
+        client.wake_inference(sampling, ["kv_cache"])
+        norms = client.weight_norm(training, sampling)
+        assert norms["training_norm"] == pytest.approx(norms["sampling_norm"])
 
-    # Response-aligned inputs, left-padded with zeros to the full length.
-    old = torch.zeros(2, 8)
-    old[:, 5:] = torch.roll(logprobs, shifts=1, dims=-1)[:, 5:] * batch["response_mask"][:, 5:]
-    advantages = torch.zeros(2, 8)
-    advantages[0, 5:], advantages[1, 5] = 1.0, -1.0
-    update_meta = {
-        **meta,
-        "actor_config": {"clip_ratio": 0.2, "loss_agg_mode": "token-mean", "entropy_coeff": 0.0},
-        "policy_loss_config": {"loss_mode": "vanilla"},
-        "global_batch_size": 2,
-        "batch_num_tokens": torch.tensor(4),
+
+def test_two_ranks_of_two_micro_batches_update_as_one_rank_of_four(model_path: str, tmp_path: Path) -> None:
+    """Data parallelism as DeepSpeed does it: gradients averaged over ranks, the loss scaled by dp_size."""
+    weights = []
+    for ranks in (1, 2):
+        with serving_test_server("main", training_gpus=ranks) as url:
+            client = ArcticClient(url, "main")
+            job = training_config(model_path, str(tmp_path / str(ranks)), "main", ranks=ranks)
+            training = client.initialize(job)
+            client.forward_backward(training, update_payload(4, 0))
+            client.step(training)
+            weights.append(client.forward(training, forward_payload(4, 0))["batch"]["logprobs"])
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-5)
+
+
+def test_deepspeed_refuses_what_arctic_would_pass_it() -> None:
+    base = {
+        "ds_config": {"zero_optimization": {"stage": 2}, "train_batch_size": 4, "gradient_accumulation_steps": 2},
+        "ds_worker_config": {"attn_implementation": "sdpa"},
     }
-    payload = {
-        "batch": {**batch, "old_log_probs": old, "advantages": advantages},
-        "meta": update_meta,
-        "processing": {"post": ["apply_temperature", "compute_entropy_and_logprobs"], "loss_fn": "verl_grpo"},
+    assert deepspeed_setup(base, "main", world=2).accumulation == 2
+    with pytest.raises(DeepSpeedRefusal, match="train_batch_size is not equal"):
+        deepspeed_setup(base, "main", world=1)
+    with pytest.raises(DeepSpeedRefusal, match="bfloat16 and grad_accum_dtype=torch.float32"):
+        deepspeed_setup({**base, "ds_config": {"zero_optimization": {"stage": 0}}}, "main", world=1)
+    with pytest.raises(DeepSpeedRefusal, match="requires attn_implementation"):
+        deepspeed_setup({"ds_config": base["ds_config"]}, "main", world=2)
+    # v0.1 multiplies the warmup ratio by the horizon and passes the float on; DeepSpeed wants an integer.
+    warmup = {
+        "ds_config": {"zero_optimization": {"stage": 2}},
+        "ds_worker_config": {"attn_implementation": "sdpa"},
+        "training_config": {"training_horizon": 10, "optimizer": {"lr": 0.1}, "lr_scheduler": {"warmup_ratio": 0.2}},
     }
-    result = client.forward_backward(training, payload)
-    assert set(result) == {"job_id", "metrics", "avg_loss"}
-    assert result["metrics"]["actor/pg_clipfrac"] == 0.0  # on-policy: ratio 1, nothing clipped
-    assert result["avg_loss"] == pytest.approx(result["metrics"]["loss"])
-    stepped = client.step(training)["metrics"]
-    assert stepped["last_lr"] == pytest.approx(0.05) and stepped["grad_norm"] > 0
+    with pytest.raises(DeepSpeedRefusal, match="warmup_num_steps must be a positive integer, got 2.0"):
+        deepspeed_setup(warmup, "v0.1", world=1)
+    assert deepspeed_setup(warmup, "main", world=1).scheduler["params"]["warmup_num_steps"] == 2
 
-    norms = client.weight_norm(training, sampling)
-    assert norms["training_num_params"] == norms["sampling_num_params"]
-    assert norms["training_norm"] != pytest.approx(norms["sampling_norm"])  # the step changed training only
 
-    prompt = "user: say 7 <|im_end|> assistant:"
-    greedy = {"temperature": 0.0, "max_tokens": 6}
-    before = client.generate(sampling, [prompt], greedy)["results"][0]
-    assert set(before) >= {"text", "token_ids", "finish_reason"} and len(before["token_ids"]) <= 6
-    client.sleep_inference(sampling)
-    with pytest.raises(ArcticError, match="HTTP 500"):  # a sleeping pool cannot generate
-        client.generate(sampling, [prompt], greedy)
-    client.wake_inference(sampling, ["weights"])
-    client.weight_sync(training, sampling, colocate=True, cuda_ipc=False, low_memory=False)
-    client.wake_inference(sampling, ["kv_cache"])
-    client.reset_prefix_cache(sampling)
-    norms = client.weight_norm(training, sampling)
-    assert norms["training_norm"] == pytest.approx(norms["sampling_norm"])  # the sync copied the new weights
-    after = client.generate(sampling, [prompt], greedy)["results"][0]
-    assert after["finish_reason"] in ("stop", "length") and len(after["token_ids"]) <= 6
-    saved = client.save(training, str(tmp_path / "ckpt"), 3)
-    assert Path(saved["path"]).is_dir()
+def test_warmup_follows_deepspeeds_schedule(model_path: str, tmp_path: Path) -> None:
+    """DeepSpeed's WarmupLR: the first two optimizer steps run at the minimum, then the rate climbs linearly."""
+    with serving_test_server("main") as url:
+        client = ArcticClient(url, "main")
+        job = training_config(model_path, str(tmp_path), "main", ranks=1)
+        job["ds_config"]["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+        }
+        training = client.initialize(job)
+        rates = []
+        for _ in range(5):
+            client.forward_backward(training, update_payload(4, 0))
+            rates.append(client.step(training)["metrics"]["last_lr"])
+        assert rates == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01])  # each: the rate of the next step
+
+
+def test_checkpoints_restore_weights_and_say_when_there_is_nothing(model_path: str, tmp_path: Path) -> None:
+    with serving_test_server("main") as url:
+        client = ArcticClient(url, "main")
+        job = training_config(model_path, str(tmp_path / "jobs"), "main", ranks=1)
+        training = client.initialize(job)
+        client.forward_backward(training, update_payload(4, 0))
+        client.step(training)
+        saved = client.save(training, str(tmp_path / "ckpt"), 1)
+        assert saved == {
+            "job_id": training,
+            "path": str(tmp_path / "ckpt" / "checkpoint-1"),
+            "hf_path": None,
+            "global_step": 1,
+        }
+        assert (tmp_path / "ckpt" / "latest").read_text() == "1"
+        trained = client.forward(training, forward_payload(4, 0))["batch"]["logprobs"]
+        client.forward_backward(training, update_payload(4, 0))
+        client.step(training)
+        assert client.load_checkpoint(training, str(tmp_path / "ckpt"), 1)["global_step"] == 1
+        torch.testing.assert_close(client.forward(training, forward_payload(4, 0))["batch"]["logprobs"], trained)
+        assert client.load_checkpoint(training, str(tmp_path / "ckpt"), 5)["global_step"] == 0
 
 
 def test_each_generation_refuses_the_other_generations_body_encoding(
@@ -150,18 +178,17 @@ def test_each_generation_refuses_the_other_generations_body_encoding(
 ) -> None:
     url, generation = arctic_server
     client = ArcticClient(url, generation)
-    training = client.initialize({"model_name": model_path, "job_type": "training", "checkpoint_path": str(tmp_path)})
+    training = client.initialize(training_config(model_path, str(tmp_path), generation, ranks=1))
     other = "torch" if generation == "main" else "dssst1"
     path = "/forward-backward" if generation == "main" else "/fwd-bwd"
-    body = {"batch": _dense_batch(0), "meta": {"pad_token_id": 0}, "processing": {"loss_fn": None}}
-    response = httpx.post(f"{url}{path}?job_id={training}", content=wire.encode(other, body))
+    response = httpx.post(f"{url}{path}?job_id={training}", content=wire.encode(other, update_payload(4, 0)))
     assert (response.status_code, response.text) == (500, "Internal Server Error")
-    own = httpx.post(f"{url}{path}?job_id={training}", content=wire.encode(client.encoding, body))
-    assert own.status_code == 500  # well encoded, but a forward-backward without a loss function
+    own = httpx.post(f"{url}{path}?job_id={training}", content=wire.encode(client.encoding, update_payload(4, 0)))
+    assert own.status_code == 200
 
 
 def test_unreachable_server_and_timeouts_name_the_call_and_the_server(
-    arctic_server: tuple[str, str], dead_url: str
+    arctic_server: tuple[str, str], dead_url: str, model_path: str
 ) -> None:
     url, generation = arctic_server
     dead = dead_url
@@ -174,4 +201,15 @@ def test_unreachable_server_and_timeouts_name_the_call_and_the_server(
         client.health()
     slow = ArcticClient(url, generation, read_timeout=0.001)
     with pytest.raises(ArcticError, match=f"Arctic call initialize \\(POST {url}/initialize\\) timed out"):
-        slow.initialize({"model_name": str(ensure_demo_assets().model_path), "job_type": "sampling"})
+        slow.initialize({"model_name": model_path, "job_type": "sampling"})
+
+
+def test_the_replica_names_a_generate_answer_without_the_asked_log_probs() -> None:
+    from verl_arctic.rollout import sampled_log_probs
+
+    answer = {"text": "7 7", "token_ids": [5, 5], "finish_reason": "length"}
+    with pytest.raises(ValueError, match=r"answered with no 'logprobs' for 2 sampled tokens \(answer keys: "):
+        sampled_log_probs(answer, [5, 5], "http://arctic:7000")
+    with pytest.raises(ValueError, match="without the log-prob of sampled token 5 at position 1"):
+        sampled_log_probs(answer | {"logprobs": [{"5": {"logprob": -0.5}}, {"9": {"logprob": -1.0}}]}, [5, 5], "u")
+    assert sampled_log_probs(answer | {"logprobs": [{"5": {"logprob": -0.5}}] * 2}, [5, 5], "u") == [-0.5, -0.5]

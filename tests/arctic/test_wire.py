@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import json
+import os
 import pickle
 
 import pytest
@@ -65,6 +67,21 @@ def test_dssst1_without_tensors_carries_a_placeholder_that_decoding_drops(tmp_pa
     assert decode_dssst1(body) == {"prompts": ["say 7"], "sampling_params": {"temperature": 1.0}}
 
 
+def frame_whose_length_reads_as_a_pickle() -> tuple[bytes, dict[str, object]]:
+    """A valid DSSST1 frame whose 8-byte header length (640 = 0x0280) starts with pickle protocol 2's signature."""
+    for size in range(2000):
+        payload = {"x": torch.ones(2), "pad": "a" * size}
+        body = encode_dssst1(payload)
+        if body[:2] == b"\x80\x02":
+            return body, payload
+    raise AssertionError("no such frame")
+
+
+def test_a_frame_whose_header_length_looks_like_a_pickle_is_still_a_frame() -> None:
+    body, payload = frame_whose_length_reads_as_a_pickle()
+    assert _equal(decode_dssst1(body), payload)
+
+
 def test_dssst1_refuses_pickles_torch_saves_and_garbage() -> None:
     for legacy in (pickle.dumps({"a": 1}), encode_torch({"a": torch.ones(1)})):
         with pytest.raises(WireError, match="refusing to deserialize a legacy pickle/torch.save payload"):
@@ -79,9 +96,46 @@ class Gadget:
     """An arbitrary object: what a weights-only load must refuse."""
 
 
+class Shell:
+    """Unpickles to a shell command: the classic pickle attack."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("true",))
+
+
 def test_torch_decoding_loads_plain_data_only() -> None:
-    buffer = io.BytesIO()
-    torch.save({"x": Gadget()}, buffer)
-    with pytest.raises(WireError, match="not a plain-data torch.save payload"):
-        decode_torch(buffer.getvalue())
     assert decode_torch(encode_torch({"metrics": {"loss": [1.0, 2.0]}}))["metrics"]["loss"] == [1.0, 2.0]
+    for hostile, name in (
+        (Gadget(), f"{__name__}.Gadget"),
+        (Shell(), "posix.system"),
+        (collections.deque([1]), "collections.deque"),
+    ):
+        buffer = io.BytesIO()
+        torch.save({"batch": {"x": hostile}}, buffer)
+        with pytest.raises(WireError, match=f"refusing to unpickle {name}: an Arctic v0.1 payload holds only"):
+            decode_torch(buffer.getvalue())
+
+
+def test_torch_decoding_accepts_the_defaultdict_of_arctics_multi_rank_merge_as_a_plain_dict() -> None:
+    # What rl/utils/batch.py merge_dict_shards builds when a forward ran on several data-parallel ranks.
+    merged: collections.defaultdict[str, object] = collections.defaultdict(list)
+    merged["logprobs"] = torch.randn(4, 6)
+    merged["tags"] = ["a", "b"]
+    decoded = decode_torch(encode_torch({"job_id": 2, "batch": merged, "metrics": collections.defaultdict(list)}))
+    assert type(decoded["batch"]) is dict and type(decoded["metrics"]) is dict
+    assert torch.equal(decoded["batch"]["logprobs"], merged["logprobs"]) and decoded["batch"]["tags"] == ["a", "b"]
+    with pytest.raises(KeyError):
+        decoded["batch"]["entropy"]  # a defaultdict would have made an empty list up
+
+
+def test_torch_decoding_leaves_the_process_allowlist_as_it_found_it() -> None:
+    before = torch.serialization.get_safe_globals()
+    decode_torch(encode_torch({"batch": collections.defaultdict(list)}))
+    assert set(map(repr, torch.serialization.get_safe_globals())) == set(map(repr, before))
+    torch.serialization.add_safe_globals([list])  # a user's own allowance survives our decoding
+    try:
+        decode_torch(encode_torch({"batch": collections.defaultdict(list)}))
+        assert list in torch.serialization.get_safe_globals()
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)

@@ -2,269 +2,560 @@
 
     python -m verl_arctic.testing.server --port 7000 --api main     # or --api v0.1
 
-It serves one protocol generation, bound to 127.0.0.1, with Arctic's routes,
-bodies, job lifecycle, status codes and error texts (docs/arctic-protocol.md):
-jobs are integers from 1, at most one per type, always ``RUNNING`` once
-created; unknown jobs are ``404 Job N not found``, wrong types ``400 Job N is
-not a training job``, duplicates ``409 Training job already running``; any other
-failure is a bare ``500 Internal Server Error``. Binary bodies are read with
-``torch.load(weights_only=True)`` (v0.1) or as DSSST1 frames (main): nothing is
-unpickled. Each job owns its own model, so the sampling job serves stale
-weights until ``weight-sync`` copies the training job's, as on a real server.
+Our model of Arctic's on-prem HTTP server: arctic-platform 0.1.2
+``rl/http_server.py`` for generation v0.1 and 0.1.4 ``common/http_server.py``
+for main. Every route of the real server exists here with the same method,
+parameters, request models (so the same 422s), status codes, error texts,
+answer shapes and containers; the table in docs/arctic-protocol.md §8 maps
+each route to the lines of Arctic's code it follows and to the test that
+compares it with Arctic's own server (tests/arctic/test_real_server.py).
 
-What it is not: DeepSpeed, vLLM, GPUs, data parallelism, ZoRRO, load
-balancing or the Cortex dialect. Meta keys for those are accepted and ignored.
+The engines behind the routes are :mod:`verl_arctic.testing.engine`: one CPU
+model per job standing for ``--training-gpus`` data-parallel DeepSpeed ranks
+with their gradient-accumulation micro-batches, and a sampler in
+arctic-inference's result shape. Batches are split across ranks and answers
+merged as Arctic does (:mod:`verl_arctic.testing.batching`), so a v0.1 forward
+on several ranks answers with the ``collections.defaultdict`` Arctic's merge
+builds. Weight syncs copy the training job's weights into the sampling job.
+
+It binds 127.0.0.1 only. What it is not: DeepSpeed, vLLM, GPUs, ZoRRO, the load
+balancer's reordering, CUDA IPC, the Cortex dialect.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import pathlib
+import re
+import shutil
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request, Response
+import torch
+from fastapi import Body, FastAPI, HTTPException, Response
 
 from verl_arctic import wire
 from verl_arctic.routes import ENCODING, GENERATIONS
+from verl_arctic.testing.batching import combine_rank_metrics, merge_shards, split_rows
+from verl_arctic.testing.engine import JobModel, deepspeed_setup, reference_setup
+from verl_arctic.testing.models import (
+    GenerateRequest,
+    GenerateRequestMain,
+    JobConfig,
+    JobConfigMain,
+    LoadCheckpointRequest,
+    LogProbsRequest,
+    ModelConfig,
+    OperationRequest,
+    ResetPrefixCacheRequest,
+    SaveRequest,
+    StepRequest,
+    SyncWeightsRequest,
+    WeightNormRequest,
+    WeightSyncRequest,
+)
 
 __all__ = ["create_app", "main"]
 
-JOB_TYPES = ("training", "sampling", "log_prob")
+
+#: An engine's memory figures after a sleep or wake (arctic-inference server/worker.py reads them off the GPU).
+MEMORY = {"gpu_mb": 0.0, "free_mb": 0.0, "reserved_mb": 0.0}
 
 
 @dataclass
-class Job:
-    job_id: int
-    job_type: str
-    model_name: str
-    checkpoint_path: str | None
-    model: Any
-    pool: str = "ready"  # sampling jobs: ready | sleeping | weights_ready
-    extra: dict[str, Any] = field(default_factory=dict)
+class Pool:
+    """arctic-inference's ReplicaPool (one replica) as the server sees it (0.2.0 and 0.3.0
+    server/replica_pool.py, server/worker.py): the pool asleep or not, its worker's lifecycle state."""
 
-    def info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "job_id": self.job_id,
-            "job_type": self.job_type,
-            "model_name": self.model_name,
-            "status": "RUNNING",
-            "checkpoint_path": self.checkpoint_path,
-            "sync_path": os.path.join(self.checkpoint_path, "weight_sync.pt") if self.checkpoint_path else None,
-        }
-        if self.job_type == "log_prob":
-            info["engine"] = "deepspeed"
-        info.update(self.extra)
-        return info
+    config: dict[str, Any] | None = None
+    model: JobModel | None = None
+    sleeping: bool = False
+    worker: str = "ready"  # ready | sleeping | weights_ready
+
+    def require(self) -> JobModel:
+        if self.config is None or self.model is None:
+            raise RuntimeError("ReplicaPool not initialized")
+        return self.model
+
+    def sleep(self, level: int) -> dict[str, Any]:
+        """ReplicaPool.sleep: the worker must be awake (worker.py ``sleep``)."""
+        self.require()
+        if self.sleeping:
+            return {"status": "already_sleeping", "level": level}
+        if self.worker not in ("ready", "weights_ready"):
+            worker: dict[str, Any] = {"status": "error", "message": f"Cannot sleep: worker state is {self.worker}"}
+        else:
+            self.worker = "sleeping"
+            worker = {"status": "sleeping", "level": level, **MEMORY}
+        self.sleeping = True
+        return {"status": "sleeping", "level": level, "workers": [worker]}
+
+    def wake(self, tags: list[str] | None) -> dict[str, Any]:
+        """ReplicaPool.wake_up: ``weights`` alone leaves the pool asleep with its weights ready; waking the KV
+        cache straight from sleep is an error of the worker, which a finalizing wake raises (a 500)."""
+        self.require()
+        finalize = tags is None or "kv_cache" in tags
+        if not self.sleeping:
+            return {"status": "already_ready"}
+        wanted = None if tags is None else set(tags)
+        full = wanted is None or wanted >= {"weights", "kv_cache"}
+        error = None
+        if self.worker == "ready":
+            worker: dict[str, Any] = {"status": "already_ready"}
+        elif self.worker == "weights_ready":
+            if wanted == {"weights"}:
+                worker = {"status": "already_weights_ready"}
+            elif wanted == {"kv_cache"} or full:
+                self.worker = "ready"
+                worker = {"status": "ready", **MEMORY}
+            else:
+                error = f"Cannot wake up from weights_ready with tags={tags!r}; use tags=['kv_cache'] or a full wake"
+        elif wanted == {"kv_cache"}:
+            error = "Cannot wake kv_cache only from sleeping; wake weights first (tags=['weights'])"
+        else:
+            self.worker = "ready" if full else "weights_ready"
+            worker = {"status": self.worker, **MEMORY}
+        if error is not None:
+            if finalize:
+                raise RuntimeError(f"wake_up failed on 1 worker(s): {error}")
+            worker = {"status": "error", "message": error}
+        if finalize:
+            self.sleeping = False
+            return {"status": "ready", "tags": tags, "workers": [worker]}
+        return {"status": "weights_ready", "tags": tags, "workers": [worker]}
 
 
-def _optimizer_settings(config: dict[str, Any], generation: str) -> dict[str, Any]:
-    """The optimizer and schedule a training job asks for, from either generation's JobConfig."""
-    if generation == "v0.1":
-        training = config.get("training_config") or {}
-        optimizer = training.get("optimizer") or {}
-        scheduler = training.get("lr_scheduler") or {}
-        return {
-            **optimizer,
-            "training_horizon": training.get("training_horizon", 1),
-            "scheduler": scheduler.get("type", "constant"),
-            "warmup_ratio": scheduler.get("warmup_ratio", 0.0),
-            "min_lr_ratio": scheduler.get("min_lr_ratio", 0.0),
-        }
-    ds = config.get("ds_config") or {}
-    params = (ds.get("optimizer") or {}).get("params") or {}
-    scheduler = ds.get("scheduler") or {}
-    sched_params = scheduler.get("params") or {}
-    total = sched_params.get("total_num_steps", 1)
-    return {
-        **params,
-        "gradient_clipping": ds.get("gradient_clipping"),
-        "training_horizon": total,
-        "scheduler": "cosine" if scheduler.get("type") == "WarmupCosineLR" else "constant",
-        "warmup_steps": sched_params.get("warmup_num_steps", 0),
-        "min_lr_ratio": sched_params.get("cos_min_ratio", 0.0),
-    }
+@dataclass
+class Workers:
+    """A job's DeepSpeed ranks: one model standing for ``world`` of them, and their offload state."""
+
+    model: JobModel
+    world: int
+    on_gpu: bool = True
+    tokenizer: Any = None
 
 
-def create_app(generation: str) -> Any:
-    """The FastAPI app for one protocol generation."""
-    import torch
-    from fastapi import Body, FastAPI, HTTPException, Query
+@dataclass
+class State:
+    generation: str
+    training_gpus: int
+    sampling_gpus: int
+    log_prob_gpus: int
+    log_prob_engine: str
+    colocate: bool
+    jobs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    next_job_id: int = 1
+    training: Workers | None = None
+    log_prob: Workers | None = None
+    sampling: Pool = field(default_factory=Pool)
+    log_prob_pool: Pool | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    from verl_arctic.testing.engine import JobModel
 
+def _verify(state: State, job_id: int, *types: str) -> dict[str, Any]:
+    """``_verify_job`` (0.1.2 rl/http_server.py:100-107, 0.1.4 common/http_server.py:125-132)."""
+    info = state.jobs.get(job_id)
+    if info is None:
+        raise HTTPException(404, f"Job {job_id} not found")
+    if info["job_type"] not in types:
+        raise HTTPException(400, f"Job {job_id} is not a {', '.join(types)} job")
+    return info
+
+
+def _split(
+    state: State, payload: Any, ranks: int, sp_size: int = 1
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """``http_split_batch``: the envelope unpacked, position ids rebuilt, rows cut per rank, ``dp_size`` set."""
+    batch, meta, processing = payload["batch"], dict(payload["meta"]), payload["processing"]  # KeyError: a 500
+    if state.generation == "main" and sp_size > 1:
+        raise ValueError(f"sequence-parallel data-plane is not implemented ... Got sp_size={sp_size}.")
+    batch = dict(batch)
+    if meta.get("drop_position_ids", False) and "position_ids" not in batch:
+        mask = batch.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+            raise ValueError("Cannot reconstruct position_ids: a 2D [B, S] attention_mask is required")
+        mask = mask.long()
+        batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    if meta.get("load_balancer", False):
+        # reorg_global_batch reads these; the reordering itself does not show in any answer.
+        for key in ("max_response_len", "max_token_len_per_gpu"):
+            meta[key]
+        meta.get("zorro_train_max_rollouts", meta["rollout_n"])
+    shards = split_rows(batch, ranks, state.generation)
+    meta["dp_size"] = ranks
+    meta["worker_return_tensors"] = True
+    return shards, meta, processing
+
+
+def _data_workers(state: State, job_id: int) -> tuple[dict[str, Any], Workers]:
+    info = state.jobs[job_id]  # Arctic looks the job up before verifying it: unknown is a KeyError, a 500
+    _verify(state, job_id, "training", "log_prob")
+    workers = state.log_prob if info["job_type"] == "log_prob" else state.training
+    if workers is None:
+        raise HTTPException(400, f"Job {job_id} ({info['job_type']}) has no DeepSpeed workers")
+    return info, workers
+
+
+def create_app(
+    generation: str,
+    *,
+    training_gpus: int = 1,
+    sampling_gpus: int = 1,
+    log_prob_gpus: int = 1,
+    log_prob_engine: str = "vllm",
+    colocate: bool = False,
+    sampled_logprobs: bool = True,
+) -> FastAPI:
+    """The FastAPI app of one protocol generation, as launched with Arctic's CLI flags of the same names.
+
+    ``sampled_logprobs=False`` is not Arctic's: it answers /generate without ``logprobs`` even when they are
+    asked for, as a sampler that cannot return them would, to test clients against such a service.
+    """
     if generation not in GENERATIONS:
         raise ValueError(f"unknown generation {generation!r}; known: {', '.join(GENERATIONS)}")
+    if training_gpus + sampling_gpus + log_prob_gpus == 0:
+        raise ValueError("At least one of --training-gpus, --sampling-gpus, --log-prob-gpus must be > 0")
+    state = State(generation, training_gpus, sampling_gpus, log_prob_gpus, log_prob_engine, colocate)
+    if log_prob_engine == "vllm":
+        state.log_prob_pool = Pool()
     encoding = ENCODING[generation]
+    main_generation = generation == "main"
     app = FastAPI(title="Arctic RL Local Server")
-    jobs: dict[int, Job] = {}
-    counter = {"next": 1}
-    lock = threading.Lock()  # one model call at a time, as one engine would
-
-    def verify(job_id: int, *types: str) -> Job:
-        if job_id not in jobs:
-            raise HTTPException(404, f"Job {job_id} not found")
-        job = jobs[job_id]
-        if types and job.job_type not in types:
-            raise HTTPException(400, f"Job {job_id} is not a {', '.join(types)} job")
-        return job
-
-    def of_type(job_type: str) -> Job | None:
-        return next((j for j in jobs.values() if j.job_type == job_type), None)
+    app.state.arctic = state
 
     def binary(obj: Any) -> Response:
         return Response(content=wire.encode(encoding, obj), media_type="application/octet-stream")
 
+    # -- jobs ------------------------------------------------------------------------------------
+
     @app.get("/health")
-    def health() -> dict[str, str]:
+    async def health() -> dict[str, str]:
         return {"status": "OK"}
 
     @app.get("/status")
-    def status() -> dict[str, Any]:
+    async def status() -> dict[str, Any]:
         return {
-            "training_gpus": 1,
-            "sampling_gpus": 1,
-            "log_prob_gpus": 1,
-            "jobs": {str(i): j.info() for i, j in jobs.items()},
+            "training_gpus": state.training_gpus,
+            "sampling_gpus": state.sampling_gpus,
+            "log_prob_gpus": state.log_prob_gpus,
+            "jobs": dict(state.jobs),
         }
 
     @app.get("/job/{job_id}")
-    def job_info(job_id: int) -> dict[str, Any]:
-        if job_id not in jobs:
+    async def job_info(job_id: int) -> dict[str, Any]:
+        info = state.jobs.get(job_id)
+        if info is None:
             raise HTTPException(404, f"Job {job_id} not found")
-        return jobs[job_id].info()
+        return info
 
-    @app.post("/initialize")
-    def initialize(config: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
-        job_type = str(config.get("job_type", "training"))
-        with lock:
-            job_id = counter["next"]
-            counter["next"] += 1  # advances even when initialisation fails, as Arctic's does
-            if job_type not in JOB_TYPES:
+    def initialize(job: JobConfig) -> dict[str, Any]:
+        """0.1.2 rl/http_server.py:120-329, 0.1.4 common/http_server.py:145-354."""
+        job_type = job.job_type
+        with state.lock:
+            job_id = state.next_job_id
+            state.next_job_id += 1
+            engine = None
+            if job_type == "training":
+                if state.training_gpus == 0:
+                    raise HTTPException(400, "No training GPUs configured")
+                if state.training is not None:
+                    raise HTTPException(409, "Training job already running")
+                if main_generation and job.checkpoint_path is None:
+                    raise HTTPException(400, "checkpoint_path is required for training jobs")
+                setup = deepspeed_setup(job.model_dump(), generation, state.training_gpus)  # refusal: a 500
+                model = JobModel(job.model_name, seed=job.seed, setup=setup)
+                state.training = Workers(model, state.training_gpus)
+                # v0.1 asserts the checkpoint path only now, with the workers kept: the next training job is a 409.
+                assert job.checkpoint_path is not None, "checkpoint_path is required for training jobs"
+            elif job_type == "sampling":
+                if state.sampling_gpus == 0:
+                    raise HTTPException(400, "No sampling GPUs configured")
+                if state.sampling.config is not None:
+                    raise HTTPException(409, "Sampling job already running")
+                config = _model_config(job.model_name, job.vllm_config)
+                state.sampling.config = config  # set before the engines load, as ReplicaPool.initialize does
+                state.sampling.model = JobModel(job.model_name, seed=job.seed)
+            elif job_type == "log_prob":
+                if state.log_prob_gpus == 0:
+                    raise HTTPException(400, "No log-prob GPUs configured")
+                if job.ds_config is not None:
+                    if state.log_prob is not None:
+                        raise HTTPException(409, "Log-prob job already running")
+                    reference_setup(job.model_dump(), generation)  # refusal: a 500
+                    model = JobModel(job.model_name, seed=job.seed, world=state.log_prob_gpus)
+                    state.log_prob = Workers(model, state.log_prob_gpus, tokenizer=model.tokenizer)
+                    engine = "deepspeed"
+                else:
+                    pool = state.log_prob_pool
+                    if pool is None:  # launched with --log-prob-engine deepspeed: Arctic reads None._config
+                        raise AttributeError("'NoneType' object has no attribute '_config'")
+                    if pool.config is not None:
+                        raise HTTPException(409, "Log-prob job already running")
+                    pool.config = _model_config(job.model_name, job.vllm_config)
+                    pool.model = JobModel(job.model_name, seed=job.seed)
+                    engine = "vllm"
+            else:
                 raise HTTPException(400, f"Unknown job type: {job_type}")
-            if of_type(job_type) is not None:
-                raise HTTPException(409, f"{job_type.replace('_', '-').capitalize()} job already running")
-            checkpoint_path = config.get("checkpoint_path")
-            if job_type == "training" and not checkpoint_path and generation == "main":
-                raise HTTPException(400, "checkpoint_path is required for training jobs")
-            if job_type == "training" and checkpoint_path:
-                checkpoint_path = os.path.join(str(checkpoint_path), f"arctic_rl_job_{job_id}")
-                os.makedirs(checkpoint_path, exist_ok=True)
-            optim = _optimizer_settings(config, generation) if job_type == "training" else None
-            model = JobModel(str(config["model_name"]), optim=optim, seed=int(config.get("seed") or 42))
-            job = Job(job_id, job_type, str(config["model_name"]), checkpoint_path, model)
-            if generation == "main" and job_type == "training":
-                job.extra = {"cuda_ipc": bool(config.get("cuda_ipc")), "low_memory": bool(config.get("low_memory"))}
-            jobs[job_id] = job
+            info: dict[str, Any] = {
+                "job_id": job_id,
+                "job_type": job_type,
+                "model_name": job.model_name,
+                "status": "RUNNING",
+                "checkpoint_path": None,
+                "sync_path": None,
+            }
+            if isinstance(job, JobConfigMain):
+                info["sp_size"] = job.sp_size
+            if engine is not None:
+                info["engine"] = engine
+            if job_type == "training":
+                assert job.checkpoint_path is not None
+                directory = pathlib.Path(job.checkpoint_path) / f"arctic_rl_job_{job_id}"
+                directory.mkdir(parents=True, exist_ok=True)
+                info["checkpoint_path"] = str(directory)
+                info["sync_path"] = str(directory / "weight_sync.pt")
+                if isinstance(job, JobConfigMain):
+                    info["cuda_ipc"] = job.cuda_ipc
+                    info["low_memory"] = job.low_memory
+            state.jobs[job_id] = info
         return {"job_id": job_id, "job_type": job_type, "running": True}
+
+    if main_generation:
+
+        @app.post("/initialize")
+        def initialize_main(job_config: JobConfigMain = Body(...)) -> dict[str, Any]:  # noqa: B008
+            return initialize(job_config)
+
+    else:
+
+        @app.post("/initialize")
+        def initialize_v01(job_config: JobConfig = Body(...)) -> dict[str, Any]:  # noqa: B008
+            return initialize(job_config)
 
     @app.post("/destroy")
     def destroy(job_id: int, job_type: str = Body(..., embed=True)) -> dict[str, Any]:
-        with lock:
-            if job_id not in jobs:
+        with state.lock:
+            info = state.jobs.pop(job_id, None)
+            if info is None:
                 raise HTTPException(404, f"Job {job_id} not found")
-            del jobs[job_id]
+            if info["job_type"] == "training":
+                state.training = None
+            elif info["job_type"] == "sampling":
+                state.sampling = Pool()
+            elif info.get("engine") == "deepspeed":
+                state.log_prob = None
+            elif state.log_prob_pool is not None:
+                state.log_prob_pool = Pool()
         return {"job_id": job_id}
 
-    def data_call(job: Job, body: bytes, train: bool) -> dict[str, Any]:
-        payload = wire.decode(encoding, body)
-        batch, meta, processing = payload["batch"], payload["meta"], payload["processing"]  # KeyError -> 500
-        if meta.get("logits_optimization") == "memory" and not meta.get("zorro_train_enable"):
-            raise ValueError("logits_optimization='memory' requires ZoRRO")  # as Arctic's worker: a bare 500
-        with lock:
-            if train:
-                if processing.get("loss_fn") is None:
-                    raise ValueError("forward-backward without a loss function")
-                metrics = job.model.forward_backward(batch, meta)
-                avg_loss = metrics["loss"]
-                return {"job_id": job.job_id, "metrics": metrics, "avg_loss": avg_loss}
-            out = job.model.forward(batch, meta)
-        result: dict[str, Any] = {"job_id": job.job_id, "batch": out, "metrics": {}}
-        if generation == "main":
-            result["avg_loss"] = 0.0
-        return result
+    # -- the data plane ----------------------------------------------------------------------------
 
-    def forward_route(job_id: int, body: bytes) -> Response:
-        job = jobs[job_id]  # Arctic indexes before verifying: an unknown job is a 500, not a 404
-        verify(job_id, "training", "log_prob")
-        return binary(data_call(job, body, train=False))
+    def forward_backward(job_id: int, body: bytes) -> Response:
+        _verify(state, job_id, "training")
+        assert state.training is not None
+        workers = state.training
+        shards, meta, processing = _split(
+            state, wire.decode(encoding, body), workers.world, state.jobs[job_id].get("sp_size", 1)
+        )
+        with state.lock:
+            results = [workers.model.forward_backward(s, meta, processing, generation) for s in shards]
+            for _ in range(results[0]["micro_batches"] - 1):
+                workers.model.step()  # the workers' engine.step() after every micro-batch but the last
+        metrics = combine_rank_metrics([r["metrics"] for r in results], generation)
+        if main_generation and "loss" in metrics:  # finalize_fwd_bwd_metrics
+            avg_loss = float(metrics["loss"])
+        else:  # v0.1 sums the ranks' mean micro-batch losses (rl/http_server.py:388-389)
+            avg_loss = float(sum(r["avg_loss"] for r in results))
+        answer: dict[str, Any] = {"job_id": job_id, "metrics": metrics, "avg_loss": avg_loss}
+        if main_generation and meta.get("return_fwd_batch", False):
+            raise NotImplementedError("return_fwd_batch: the test server does not return the update's batch")
+        return binary(answer)
 
-    def forward_backward_route(job_id: int, body: bytes) -> Response:
-        job = verify(job_id, "training")
-        return binary(data_call(job, body, train=True))
+    def forward(job_id: int, body: bytes) -> Response:
+        info, workers = _data_workers(state, job_id)
+        shards, meta, processing = _split(state, wire.decode(encoding, body), workers.world, info.get("sp_size", 1))
+        with state.lock:
+            results = [workers.model.forward(s, meta, processing, generation) for s in shards]
+        answer: dict[str, Any] = {"job_id": job_id, "batch": merge_shards([r["batch"] for r in results])}
+        if main_generation:
+            answer["metrics"] = combine_rank_metrics([r["metrics"] for r in results], generation)
+            answer["avg_loss"] = 0.0
+        else:
+            answer["metrics"] = merge_shards([r["metrics"] for r in results])
+        return binary(answer)
 
     def step(job_id: int) -> dict[str, Any]:
-        job = verify(job_id, "training")
-        with lock:
-            metrics = job.model.step()
-        return {"job_id": job_id, "metrics": metrics, "batch": {}}
-
-    def wake(job: Job, tags: list[str] | None) -> dict[str, Any]:
-        if job.pool == "ready":
-            return {"job_id": job.job_id, "sampling": {"status": "already_ready"}}
-        if tags is not None and tags == ["weights"]:
-            job.pool = "weights_ready"
-        else:
-            job.pool = "ready"
-        return {"job_id": job.job_id, "sampling": {"status": job.pool, "tags": tags, "workers": []}}
-
-    def sync(training: Job, sampling: Job) -> None:
-        if sampling.pool == "sleeping":
-            raise RuntimeError("sampling weights are asleep: wake 'weights' before syncing")
-        with lock:
-            sampling.model.load_weights_from(training.model)
-
-    def generate_results(job: Job, request: dict[str, Any]) -> dict[str, Any]:
-        if job.pool != "ready":
-            raise RuntimeError("Model is sleeping; call /wake_up first")
-        prompts = request["prompts"]
-        if not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be strings")
-        params = dict(request.get("sampling_params") or {})
-        with lock:
-            results = [job.model.generate(prompt, params) for prompt in prompts]
-        return {"job_id": job.job_id, "results": results}
-
-    @app.post("/sleep-inference")
-    def sleep_inference(job_id: int, level: int = Query(... if generation == "v0.1" else 1)) -> dict[str, Any]:
-        job = verify(job_id, "sampling")
-        if job.pool == "sleeping":
-            return {"job_id": job_id, "sampling": {"status": "already_sleeping", "level": level}}
-        job.pool = "sleeping"
-        return {"job_id": job_id, "sampling": {"status": "sleeping", "level": level, "workers": []}}
-
-    @app.post("/weight-norm")
-    def weight_norm(request: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
-        training = verify(int(request["training_job_id"]), "training")
-        sampling = verify(int(request["sampling_job_id"]), "sampling")
-        with lock:
-            norms = {name: job.model.weight_norm() for name, job in (("training", training), ("sampling", sampling))}
+        _verify(state, job_id, "training")
+        assert state.training is not None
+        with state.lock:
+            rank = state.training.model.step()
+        ranks = [rank] * state.training.world  # every rank reports the same numbers after the same step
         return {
-            "training_norm": norms["training"][0],
-            "sampling_norm": norms["sampling"][0],
-            "training_num_params": norms["training"][1],
-            "sampling_num_params": norms["sampling"][1],
+            "job_id": job_id,
+            "metrics": merge_shards([r["metrics"] for r in ranks]),
+            "batch": merge_shards([r["batch"] for r in ranks]),
         }
 
-    @app.post("/reset-prefix-cache")
+    @app.post("/empty-training-cache")
+    def empty_training_cache(job_id: int) -> dict[str, Any]:
+        _verify(state, job_id, "training")
+        assert state.training is not None
+        return {"job_id": job_id, "workers": [{"gpu_mb": 0.0}] * state.training.world}
+
+    def sleep_training(job_id: int, mode: str) -> dict[str, Any]:
+        _verify(state, job_id, "training")
+        assert state.training is not None
+        workers = state.training
+        if mode in ("non_lp", "lp_params"):
+            status = {"non_lp": "offloaded_non_lp", "lp_params": "offloaded_lp"}[mode]
+        elif not workers.on_gpu:
+            status = "already_offloaded"
+        else:
+            status = "offloaded"
+        workers.on_gpu = False
+        per_rank = (
+            {"status": status} if status == "already_offloaded" else {"status": status, "elapsed": 0.0, "gpu_mb": 0.0}
+        )
+        return {"job_id": job_id, "workers": [per_rank] * workers.world}
+
+    def wake_training(job_id: int) -> dict[str, Any]:
+        _verify(state, job_id, "training")
+        assert state.training is not None
+        workers = state.training
+        per_rank = {"status": "already_on_gpu"} if workers.on_gpu else {"status": "on_gpu", "elapsed": 0.0}
+        workers.on_gpu = True
+        return {"job_id": job_id, "workers": [per_rank] * workers.world}
+
+    def log_prob_offload(job_id: int, to_gpu: bool) -> dict[str, Any]:
+        _verify(state, job_id, "log_prob")
+        workers = state.log_prob
+        if workers is None:  # a vLLM log-prob job: nothing to offload
+            return {"job_id": job_id, "workers": []}
+        if to_gpu:
+            per_rank = {"status": "already_on_gpu"} if workers.on_gpu else {"status": "on_gpu", "elapsed": 0.0}
+        else:
+            per_rank = (
+                {"status": "offloaded", "elapsed": 0.0, "gpu_mb": 0.0}
+                if workers.on_gpu
+                else {"status": "already_offloaded"}
+            )
+        workers.on_gpu = to_gpu
+        return {"job_id": job_id, "workers": [per_rank] * workers.world}
+
+    @app.post("/sleep-log-prob")
+    def sleep_log_prob(job_id: int) -> dict[str, Any]:
+        return log_prob_offload(job_id, to_gpu=False)
+
+    @app.post("/wake-log-prob")
+    def wake_log_prob(job_id: int) -> dict[str, Any]:
+        return log_prob_offload(job_id, to_gpu=True)
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    def pools() -> list[tuple[str, Pool]]:
+        found = [("sampling", state.sampling)]
+        if state.log_prob_pool is not None and state.log_prob_pool.config is not None:
+            found.append(("log_prob", state.log_prob_pool))
+        return found
+
+    def sleep_inference(job_id: int, level: int) -> dict[str, Any]:
+        _verify(state, job_id, "sampling")
+        results = {"sampling": state.sampling.sleep(level)}
+        lp = state.log_prob_pool
+        if lp is not None and lp.config is not None and not lp.sleeping:
+            results["log_prob"] = lp.sleep(level)
+        return {"job_id": job_id, **results}
+
+    def wake_inference(job_id: int, tags: list[str] | None) -> dict[str, Any]:
+        _verify(state, job_id, "sampling")
+        results = {"sampling": state.sampling.wake(tags)}
+        lp = state.log_prob_pool
+        if lp is not None and lp.config is not None and lp.sleeping:
+            results["log_prob"] = lp.wake(tags)
+        return {"job_id": job_id, **results}
+
     def reset_prefix_cache(job_id: int) -> dict[str, Any]:
-        verify(job_id, "sampling")
-        return {"job_id": job_id, "sampling": {"status": "prefix_cache_reset"}}
+        _verify(state, job_id, "sampling")
+        results = {}
+        for name, pool in pools():
+            pool.require()
+            results[name] = {"status": "prefix_cache_reset"}
+        return {"job_id": job_id, **results}
 
-    if generation == "v0.1":
+    def generate(job_id: int, prompts: list[str], params: dict[str, Any] | None) -> dict[str, Any]:
+        _verify(state, job_id, "sampling")
+        model = state.sampling.require()
+        if state.sampling.sleeping:
+            raise RuntimeError("Model is sleeping; call /wake_up first")
+        with state.lock:
+            results = [model.generate(prompt, dict(params or {})) for prompt in prompts]
+        if not sampled_logprobs:
+            for result in results:
+                result.pop("logprobs", None)
+        return {"job_id": job_id, "results": results}
 
-        @app.post("/wake-inference")
-        def wake_inference(job_id: int, tags: list[str] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
-            return wake(verify(job_id, "sampling"), tags)
+    @app.post("/weight-norm")
+    def weight_norm(request: WeightNormRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+        _verify(state, request.training_job_id, "training")
+        _verify(state, request.sampling_job_id, "sampling")
+        assert state.training is not None
+        sampling = state.sampling.require()
+        with state.lock:
+            training_norm, training_count = state.training.model.weight_norm()
+            sampling_norm, sampling_count = sampling.weight_norm()
+        return {  # both count parameter tensors (vLLM's fused layers have fewer than Hugging Face's)
+            "training_norm": training_norm,
+            "sampling_norm": sampling_norm,
+            "training_num_params": training_count,
+            "sampling_num_params": sampling_count,
+        }
+
+    def sync(training_job: int, sampling_job: int) -> dict[str, Any]:
+        _verify(state, training_job, "training")
+        _verify(state, sampling_job, "sampling")
+        assert state.training is not None
+        sampling = state.sampling.require()
+        with state.lock:
+            sampling.load_weights_from(state.training.model)
+        return {"job_id": training_job, "status": "ok"}
+
+    def log_probs(job_id: int, request: LogProbsRequest) -> Response:
+        """/log-probs (0.1.2 rl/http_server.py:952-983, 0.1.4 common/http_server.py:933-961)."""
+        _verify(state, job_id, "log_prob")
+        info = state.jobs[job_id]
+        texts = request.prompts
+        if request.completions is not None:
+            texts = [p + c for p, c in zip(request.prompts, request.completions, strict=False)]
+        if info.get("engine") == "deepspeed":
+            assert state.log_prob is not None
+            encoded = dict(state.log_prob.tokenizer(texts, return_tensors="pt", padding=True))
+            shards = split_rows(encoded, state.log_prob.world, generation)
+            with state.lock:
+                results: Any = torch.cat([state.log_prob.model.log_probs_of_encoded(s) for s in shards], dim=0)
+        else:
+            assert state.log_prob_pool is not None
+            model = state.log_prob_pool.require()
+            params = {"max_tokens": 1, "temperature": 0, "prompt_logprobs": request.top_k}
+            with state.lock:
+                results = [model.generate(text, params) for text in texts]
+        return binary({"job_id": job_id, "results": results})
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    # -- the routes of each generation ------------------------------------------------------------
+
+    if not main_generation:
 
         @app.post("/fwd-bwd")
         def fwd_bwd(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-            return forward_backward_route(job_id, body)
+            return forward_backward(job_id, body)
 
         @app.post("/fwd-no-grad")
         def fwd_no_grad(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-            return forward_route(job_id, body)
+            return forward(job_id, body)
 
         @app.post("/step")
         def step_v01(job_id: int) -> dict[str, Any]:
@@ -272,92 +563,199 @@ def create_app(generation: str) -> Any:
 
         @app.post("/save-checkpoint")
         def save_checkpoint(job_id: int) -> dict[str, Any]:
-            job = verify(job_id, "training")
-            assert job.checkpoint_path is not None
-            with lock:
-                job.model.save(job.checkpoint_path)
-            return {"job_id": job_id, "path": job.checkpoint_path}
+            info = _verify(state, job_id, "training")
+            path = info.get("checkpoint_path")
+            assert path is not None, f"checkpoint_path is required for training job {job_id}"
+            assert state.training is not None
+            pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+            with state.lock:
+                state.training.model.save(path)
+            return {"job_id": job_id, "path": path}
 
-        @app.post("/sync-weights")
-        def sync_weights(request: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
-            training = verify(int(request["training_job_id"]), "training")
-            sampling = verify(int(request["sampling_job_id"]), "sampling")
-            sync(training, sampling)
-            return {"job_id": training.job_id, "status": "ok"}
-
-        @app.post("/generate")
-        def generate_v01(job_id: int, request: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
-            return generate_results(verify(job_id, "sampling"), request)
-
-    else:
+        @app.post("/sleep-inference")
+        def sleep_inference_v01(job_id: int, level: int) -> dict[str, Any]:
+            return sleep_inference(job_id, level)
 
         @app.post("/wake-inference")
-        async def wake_inference_main(job_id: int, request: Request) -> dict[str, Any]:
-            raw = await request.body()
-            tags = None
-            if raw:
-                parsed = (await request.json()) if raw.strip() else None
-                tags = parsed.get("tags") if isinstance(parsed, dict) else parsed
-            return wake(verify(job_id, "sampling"), tags)
+        def wake_inference_v01(job_id: int, tags: list[str] | None = None) -> dict[str, Any]:
+            return wake_inference(job_id, tags)
 
-        @app.post("/forward-backward")
-        def forward_backward(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-            return forward_backward_route(job_id, body)
+        @app.post("/reset-prefix-cache")
+        def reset_prefix_cache_v01(job_id: int) -> dict[str, Any]:
+            return reset_prefix_cache(job_id)
 
-        @app.post("/forward")
-        def forward(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-            return forward_route(job_id, body)
+        @app.post("/sleep-training")
+        def sleep_training_v01(job_id: int, mode: str = "all") -> dict[str, Any]:
+            return sleep_training(job_id, mode)
 
-        @app.post("/step")
-        def step_main(job_id: int, request: dict[str, Any] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
-            return step(job_id)
-
-        @app.post("/save")
-        def save(job_id: int, request: dict[str, Any] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
-            job = verify(job_id, "training")
-            request = request or {}
-            root = request.get("path") or job.checkpoint_path
-            assert root is not None
-            step_number = request.get("step")
-            directory = os.path.join(root, f"checkpoint-{step_number}") if step_number is not None else root
-            with lock:
-                job.model.save(directory)
-            if step_number is not None:
-                with open(os.path.join(root, "latest"), "w") as fp:
-                    fp.write(str(step_number))
-            return {"job_id": job_id, "path": directory, "hf_path": None, "global_step": job.model.steps}
-
-        @app.post("/load-checkpoint")
-        def load_checkpoint(job_id: int, request: dict[str, Any] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
-            job = verify(job_id, "training")
-            request = request or {}
-            root = request.get("path") or job.checkpoint_path
-            assert root is not None
-            step_number = request.get("step")
-            if step_number is None and os.path.isfile(os.path.join(root, "latest")):
-                with open(os.path.join(root, "latest")) as fp:
-                    step_number = int(fp.read().strip())
-            directory = os.path.join(root, f"checkpoint-{step_number}") if step_number is not None else root
-            if not os.path.isfile(os.path.join(directory, "state.pt")):
-                return {"job_id": job_id, "path": directory, "global_step": 0}
-            with lock:
-                job.model.load(directory)
-            return {"job_id": job_id, "path": directory, "global_step": job.model.steps}
-
-        @app.post("/weight-sync")
-        def weight_sync(job_id: int, request: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
-            training = verify(int(request["source_sub_job_id"]), "training")
-            sampling = verify(int(request["target_sub_job_ids"][0]), "sampling")
-            sync(training, sampling)
-            return {"job_id": training.job_id, "status": "ok"}
+        @app.post("/wake-training")
+        def wake_training_v01(job_id: int) -> dict[str, Any]:
+            return wake_training(job_id)
 
         @app.post("/generate")
-        def generate_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-            job = verify(job_id, "sampling")
-            return binary(generate_results(job, wire.decode(encoding, body)))
+        def generate_v01(job_id: int, request: GenerateRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+            return generate(job_id, request.prompts, request.sampling_params)
 
-    del torch  # imported to fail fast when torch is missing; the engine uses it
+        @app.post("/sync-weights")
+        def sync_weights(request: SyncWeightsRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+            return sync(request.training_job_id, request.sampling_job_id)
+
+        @app.post("/log-probs")
+        def log_probs_v01(job_id: int, request: LogProbsRequest = Body(...)) -> Response:  # noqa: B008
+            return log_probs(job_id, request)
+
+        return app
+
+    @app.post("/forward-backward")
+    def forward_backward_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
+        return forward_backward(job_id, body)
+
+    @app.post("/forward")
+    def forward_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
+        return forward(job_id, body)
+
+    @app.post("/step")
+    def step_main(job_id: int, request: StepRequest = Body(default=StepRequest())) -> dict[str, Any]:  # noqa: B008
+        return step(job_id)  # learning_rate is accepted and not applied, as on Arctic
+
+    @app.post("/save")
+    def save(job_id: int, request: SaveRequest = Body(default=SaveRequest())) -> dict[str, Any]:  # noqa: B008
+        """0.1.4 common/http_server.py:496-522."""
+        info = _verify(state, job_id, "training")
+        root = request.path or info.get("checkpoint_path")
+        assert root is not None, f"checkpoint_path is required for training job {job_id}"
+        assert state.training is not None
+        directory = os.path.join(root, f"checkpoint-{int(request.step)}") if request.step is not None else root
+        pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
+        with state.lock:
+            state.training.model.save(directory)
+        if request.export_hf:
+            hf = os.path.join(directory, "hf")
+            state.training.model.model.save_pretrained(hf)
+            state.training.model.tokenizer.save_pretrained(hf)
+        if request.step is not None:
+            pathlib.Path(root, "latest").write_text(str(int(request.step)))
+        if request.save_total_limit is not None and int(request.save_total_limit) > 0:
+            _prune(root, int(request.save_total_limit))
+        return {
+            "job_id": job_id,
+            "path": directory,
+            "hf_path": os.path.join(directory, "hf") if request.export_hf else None,
+            "global_step": state.training.model.global_steps,
+        }
+
+    @app.post("/load-checkpoint")
+    def load_checkpoint(
+        job_id: int,
+        request: LoadCheckpointRequest = Body(default=LoadCheckpointRequest()),  # noqa: B008
+    ) -> dict[str, Any]:
+        """0.1.4 common/http_server.py:525-545: a missing checkpoint loads nothing and answers step 0."""
+        info = _verify(state, job_id, "training")
+        path = request.path or info.get("checkpoint_path")
+        assert path is not None, f"checkpoint_path is required for training job {job_id}"
+        assert state.training is not None
+        if request.step is not None:
+            path = str(pathlib.Path(path) / f"checkpoint-{int(request.step)}")
+        elif request.path is None:
+            latest = pathlib.Path(path) / "latest"
+            if latest.is_file():
+                with contextlib.suppress(ValueError):
+                    path = str(pathlib.Path(path) / f"checkpoint-{int(latest.read_text().strip())}")
+        with state.lock:
+            loaded = os.path.isfile(os.path.join(path, "state.pt"))
+            if loaded:
+                state.training.model.load(path)
+        return {"job_id": job_id, "path": path, "global_step": state.training.model.global_steps if loaded else 0}
+
+    @app.post("/sleep-inference")
+    def sleep_inference_main(
+        job_id: int,
+        level: int = 1,
+        body: dict[str, Any] | None = Body(None),  # noqa: B008
+    ) -> dict[str, Any]:
+        if isinstance(body, dict) and body.get("level") is not None:
+            level = int(body["level"])
+        return sleep_inference(job_id, level)
+
+    @app.post("/wake-inference")
+    def wake_inference_main(job_id: int, body: Any = Body(None)) -> dict[str, Any]:  # noqa: B008
+        tags = body.get("tags") if isinstance(body, dict) else body
+        return wake_inference(job_id, tags)
+
+    @app.post("/reset-prefix-cache")
+    def reset_prefix_cache_main(
+        job_id: int,
+        request: ResetPrefixCacheRequest = Body(default=ResetPrefixCacheRequest()),  # noqa: B008
+    ) -> dict[str, Any]:
+        return reset_prefix_cache(job_id)
+
+    @app.post("/sleep-training")
+    def sleep_training_main(
+        job_id: int,
+        mode: str = "all",
+        body: dict[str, Any] | None = Body(None),  # noqa: B008
+    ) -> dict[str, Any]:
+        if isinstance(body, dict) and body.get("mode") is not None:
+            mode = str(body["mode"])
+        return sleep_training(job_id, mode)
+
+    @app.post("/wake-training")
+    def wake_training_main(job_id: int, body: dict[str, Any] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
+        return wake_training(job_id)
+
+    @app.post("/generate")
+    def generate_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
+        _verify(state, job_id, "sampling")
+        request = GenerateRequestMain(**wire.decode(encoding, body))  # outside FastAPI's validation: a 500
+        return binary(generate(job_id, request.prompts, request.sampling_params))
+
+    def weight_sync_main(request: WeightSyncRequest) -> dict[str, Any]:
+        return sync(request.source_sub_job_id, request.target_sub_job_ids[0])
+
+    @app.post("/weight-sync")
+    def weight_sync(job_id: int, request: WeightSyncRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+        return weight_sync_main(request)
+
+    @app.post("/operation")
+    def operation(job_id: int, request: OperationRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+        """0.1.4 common/http_server.py:608-624: models built from ``payload`` fail as 500s, not 422s."""
+        payload = request.payload or {}
+        if request.operation_type == "weight-sync":
+            return weight_sync_main(WeightSyncRequest(**payload))
+        if request.operation_type == "reset-prefix-cache":
+            ResetPrefixCacheRequest(**payload)
+            return reset_prefix_cache(job_id)
+        if request.operation_type == "sleep-inference":
+            return sleep_inference(job_id, payload.get("level", 1))
+        if request.operation_type == "wake-inference":
+            return wake_inference(job_id, payload.get("tags"))
+        raise HTTPException(status_code=400, detail=f"unknown operation_type {request.operation_type!r}")
+
+    @app.post("/log-probs")
+    def log_probs_main(job_id: int, request: LogProbsRequest = Body(...)) -> Response:  # noqa: B008
+        return log_probs(job_id, request)
+
     return app
+
+
+def _model_config(model_name: str, vllm_config: dict[str, Any] | None) -> dict[str, Any]:
+    """``build_model_config``: known ModelConfig fields validated (a 500 when wrong), the rest engine kwargs."""
+    config = dict(vllm_config or {})
+    config["model"] = model_name
+    known = set(ModelConfig.model_fields)
+    validated = ModelConfig(**{k: v for k, v in config.items() if k in known})
+    return {**validated.model_dump(), "extra_engine_kwargs": {k: v for k, v in config.items() if k not in known}}
+
+
+def _prune(root: str, keep: int) -> None:
+    """``prune_checkpoint_dirs`` (0.1.4 common/utils/checkpoint.py:29-53): keep the newest ``keep``."""
+    found = sorted(
+        (int(m.group(1)), os.path.join(root, name))
+        for name in os.listdir(root)
+        if (m := re.match(r"^checkpoint-(\d+)$", name))
+    )
+    for _, path in found[:-keep] if len(found) > keep else []:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,8 +764,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=7000)
     parser.add_argument("--api", choices=GENERATIONS, default="main", help="protocol generation to serve")
+    parser.add_argument("--training-gpus", type=int, default=1, help="data-parallel training ranks to stand for")
+    parser.add_argument("--sampling-gpus", type=int, default=1)
+    parser.add_argument("--log-prob-gpus", type=int, default=1)
+    parser.add_argument("--log-prob-engine", choices=["vllm", "deepspeed"], default="vllm")
+    parser.add_argument("--colocate", action="store_true")
+    parser.add_argument(
+        "--without-sampled-logprobs",
+        action="store_true",
+        help="not Arctic's: answer /generate without log-probs, as a sampler that cannot return them",
+    )
     args = parser.parse_args(argv)
-    uvicorn.run(create_app(args.api), host="127.0.0.1", port=args.port, log_level="warning")
+    app = create_app(
+        args.api,
+        training_gpus=args.training_gpus,
+        sampling_gpus=args.sampling_gpus,
+        log_prob_gpus=args.log_prob_gpus,
+        log_prob_engine=args.log_prob_engine,
+        colocate=args.colocate,
+        sampled_logprobs=not args.without_sampled_logprobs,
+    )
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     return 0
 
 

@@ -1,7 +1,9 @@
 """Everything the no-argument demo needs, made locally: nothing is downloaded.
 
 - a word-level tokenizer trained with ``tokenizers`` on a synthetic corpus,
-  with a chat template (verl applies it to every prompt);
+  with a chat template (verl applies it to every prompt), saved so that both
+  transformers 5 (verl) and transformers 4 (services such as Arctic's, which pin
+  it) load it;
 - a tiny Llama-architecture causal LM with random weights. Not Qwen: transformers 5
   replaces the tokenizer of a qwen2 model directory with its own BPE class, and verl's
   agent loop expects Qwen's own tokenizer for qwen2/qwen3 model types;
@@ -15,6 +17,7 @@ first run leaves nothing half-written) and reused.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -25,7 +28,7 @@ from pathlib import Path
 __all__ = ["DEMO_VERSION", "DemoAssets", "default_cache_dir", "ensure_demo_assets"]
 
 # Bump when the assets change, so old caches are not reused.
-DEMO_VERSION = "2"
+DEMO_VERSION = "3"
 DIGITS = [str(d) for d in range(10)]
 FILLER = ["the", "a", "number", "is", "and", "ok", "yes", "no"]
 SPECIAL = ["<pad>", "<unk>", "<|im_end|>"]
@@ -79,6 +82,12 @@ def _make_tokenizer(path: Path, seed: int) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+    # transformers 5 names its own fast-tokenizer class, which transformers 4 cannot import; the class both
+    # know loads the same tokenizer.json with the same ids in either.
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2))
 
 
 def _make_model(path: Path, seed: int) -> None:

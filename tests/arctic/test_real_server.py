@@ -1,0 +1,108 @@
+"""Arctic's own released server, run on CPU, against our test server and against verl-arctic.
+
+Arctic's real HTTP server application (arctic-platform 0.1.2 for protocol
+v0.1, 0.1.4 for main) runs in its own environment with its DeepSpeed workers
+on DeepSpeed's CPU accelerator; only the vLLM sampling pool and a few CUDA
+device queries are stood in for (tests/arctic/real/harness). Then:
+
+- the same conversation (tests/arctic/conversation.py: every route, the
+  requests that succeed and the mistakes a client can make) is held with
+  Arctic's server and with ours, and every answer must agree in status, body
+  kind and shape, containers included; a disagreement fails naming the step;
+- ``verl-remote train remote_backend=arctic`` trains against Arctic's server.
+
+Steps the CPU cannot answer as a GPU server would are left out of the
+comparison and listed in :data:`NOT_ON_CPU`, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conversation import TRAINING_RANKS, Observation, converse
+from real.vendor import real_arctic_server
+
+from conftest import cli, free_port, serving_test_server
+from verl_remote.demo.assets import ensure_demo_assets
+
+pytestmark = pytest.mark.arctic_real
+
+#: Steps whose answer on a CPU is not the GPU server's: none at present.
+NOT_ON_CPU: dict[str, str] = {}
+
+
+def _ours(generation: str, workdir: Path) -> list[Observation]:
+    with serving_test_server(
+        generation,
+        training_gpus=TRAINING_RANKS,
+        sampling_gpus=1,
+        log_prob_gpus=1,
+        log_prob_engine="deepspeed",
+        colocate=generation == "main",
+    ) as url:
+        return list(converse(url, generation, _model(), workdir))
+
+
+def _model() -> str:
+    return str(ensure_demo_assets().model_path)
+
+
+@pytest.fixture(params=["v0.1", "main"])
+def generation(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def arctic(generation: str, tmp_path: Path) -> Iterator[str]:
+    with real_arctic_server(
+        generation, free_port(), training_gpus=TRAINING_RANKS, log=tmp_path / "arctic-server.log"
+    ) as url:
+        yield url
+
+
+def test_our_test_server_answers_every_route_as_arctics_own_server(
+    generation: str, arctic: str, tmp_path: Path
+) -> None:
+    theirs = list(converse(arctic, generation, _model(), tmp_path / "real"))
+    ours = _ours(generation, tmp_path / "ours")
+    assert [o.step for o in ours] == [o.step for o in theirs]
+    differences = []
+    for mine, real in zip(ours, theirs, strict=True):
+        if mine.step in NOT_ON_CPU:
+            continue
+        if (mine.status, mine.kind, mine.shape) != (real.status, real.kind, real.shape):
+            differences.append(
+                f"{mine.step}:\n  Arctic: {real.status} {real.kind} {json.dumps(real.shape, default=str)[:600]}"
+                f"\n  ours:   {mine.status} {mine.kind} {json.dumps(mine.shape, default=str)[:600]}"
+            )
+    assert not differences, f"{len(differences)} of {len(theirs)} answers differ:\n" + "\n".join(differences)
+    assert (tmp_path / "arctic-server.log").stat().st_size > 0
+
+
+def _steps(stdout: str) -> list[int]:
+    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
+
+
+@pytest.mark.train
+def test_verl_remote_trains_against_arctics_own_server(generation: str, arctic: str, tmp_path: Path) -> None:
+    """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client."""
+    out = cli(
+        "train",
+        "remote_backend=arctic",
+        f"remote_backend.comms.url={arctic}",
+        f"remote_backend.training_gpus={TRAINING_RANKS}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert _steps(out.stdout)[-2:] == [1, 2]
+    diffs = [float(p.split(":")[1]) for p in out.stdout.split() if p.startswith("training/rollout_probs_diff_max:")]
+    assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step

@@ -363,6 +363,7 @@ def converse(url: str, generation: str, model: str, workdir: Path) -> Iterator[O
 
         if main:
             target = str(workdir / "saved")
+            job = {"job_id": training}
             yield call("save, no body", "POST", "/save", params={"job_id": training})
             yield call("save at step", "POST", "/save", params={"job_id": training}, json={"path": target, "step": 1})
             yield call(
@@ -379,6 +380,9 @@ def converse(url: str, generation: str, model: str, workdir: Path) -> Iterator[O
                 params={"job_id": training},
                 json={"path": target, "step": 7},
             )
+            # Arctic's own `latest` (a step number) read by DeepSpeed as a checkpoint tag.
+            without_step = {"path": target}
+            yield call("load, a path without a step", "POST", "/load-checkpoint", params=job, json=without_step)
             yield call("load latest of the job", "POST", "/load-checkpoint", params={"job_id": training})
         else:
             yield call("save", "POST", "/save-checkpoint", params={"job_id": training})

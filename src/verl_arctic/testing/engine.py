@@ -610,21 +610,35 @@ class JobModel:
         self.model.load_state_dict(copy.deepcopy(other.model.state_dict()))
 
     def save(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
+        """DeepSpeed's ``save_checkpoint(directory)``: the state under ``global_step<N>/``, then a ``latest`` file
+        naming that tag (runtime/engine.py ``save_checkpoint``), written atomically here."""
+        tag = f"global_step{self.global_steps}"
+        os.makedirs(os.path.join(directory, tag), exist_ok=True)
         state: dict[str, Any] = {"model": self.model.state_dict(), "global_steps": self.global_steps}
         if self.optimizer is not None and self.schedule is not None:
             state["optimizer"] = self.optimizer.state_dict()
             state["schedule_iteration"] = self.schedule.iteration
             state["micro_steps"] = self.micro_steps
-        tmp = os.path.join(directory, "state.pt.tmp")
+        tmp = os.path.join(directory, tag, "state.pt.tmp")
         torch.save(state, tmp)
-        os.replace(tmp, os.path.join(directory, "state.pt"))
+        os.replace(tmp, os.path.join(directory, tag, "state.pt"))
+        with open(os.path.join(directory, "latest.tmp"), "w") as fp:
+            fp.write(tag)
+        os.replace(os.path.join(directory, "latest.tmp"), os.path.join(directory, "latest"))
 
-    def load(self, directory: str) -> None:
-        state = torch.load(os.path.join(directory, "state.pt"), map_location="cpu", weights_only=True)
+    def load(self, directory: str) -> bool:
+        """DeepSpeed's ``load_checkpoint(directory)``: nothing loaded (False) without a ``latest`` file; the tag it
+        names must hold a checkpoint, else DeepSpeed fails (as when Arctic's own step-number ``latest`` is read)."""
+        latest = os.path.join(directory, "latest")
+        if not os.path.isfile(latest):
+            return False
+        with open(latest) as fp:
+            tag = fp.read().strip()
+        state = torch.load(os.path.join(directory, tag, "state.pt"), map_location="cpu", weights_only=True)
         self.model.load_state_dict(state["model"])
         self.global_steps = int(state["global_steps"])
         if self.optimizer is not None and self.schedule is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.schedule.restore(int(state["schedule_iteration"]))
             self.micro_steps = int(state["micro_steps"])
+        return True

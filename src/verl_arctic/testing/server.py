@@ -662,9 +662,7 @@ def create_app(
                 with contextlib.suppress(ValueError):
                     path = str(pathlib.Path(path) / f"checkpoint-{int(latest.read_text().strip())}")
         with state.lock:
-            loaded = os.path.isfile(os.path.join(path, "state.pt"))
-            if loaded:
-                state.training.model.load(path)
+            loaded = state.training.model.load(path)
         return {"job_id": job_id, "path": path, "global_step": state.training.model.global_steps if loaded else 0}
 
     @app.post("/sleep-inference")

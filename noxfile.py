@@ -46,10 +46,15 @@ def types(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build both distributions' wheels (verl-remote, verl-arctic) into dist/."""
-    session.install("build")
+    """Both distributions (verl-remote, verl-arctic) as an sdist and a wheel built from it, into dist/, checked
+    as the package index would check them."""
+    session.install("build", "twine")
+    out = ROOT / "dist"
+    for stale in out.glob("verl_*") if out.is_dir() else []:
+        stale.unlink()
     for project in DISTRIBUTIONS:
-        session.run("python", "-m", "build", "--wheel", "--outdir", str(ROOT / "dist"), project)
+        session.run("python", "-m", "build", "--outdir", str(out), project)
+    session.run("twine", "check", "--strict", *[str(p) for p in sorted(out.glob("verl_*"))])
 
 
 @nox.session

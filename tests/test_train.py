@@ -102,8 +102,13 @@ def test_save_then_resume_continues_at_the_next_step_with_the_saved_weights(tmp_
     assert f"local engine: loaded {step2 / 'actor' / 'local_engine'} (weights sha256 {saved})" in second.stdout
 
 
-def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_checkpoint(
-    tmp_path: Path, ray_left_behind: Any
+@pytest.mark.parametrize(
+    ("stop", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_and_sigterm_destroy_the_backend_once_and_the_run_resumes_from_the_last_checkpoint(
+    stop: signal.Signals, code: int, said: str, tmp_path: Path, ray_left_behind: Any
 ) -> None:
     calls = tmp_path / "calls.txt"
     args = [
@@ -111,6 +116,7 @@ def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_chec
         f"remote_backend.calls_log={calls}",
         "trainer.total_training_steps=4",
         "trainer.save_freq=2",
+        "remote_backend.hold_after_save_s=30",  # the steps after the save are slow: the signal lands in the run
     ]
     script = str(Path(sys.executable).parent / "verl-remote")
     command = [script, "train", f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK, *args]
@@ -123,11 +129,12 @@ def test_ctrl_c_destroys_the_backend_once_and_the_run_resumes_from_the_last_chec
         if "step:2 " in line or time.monotonic() > deadline:
             break
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     rest, _ = proc.communicate(timeout=300)
     output = "".join(seen) + rest
-    assert proc.returncode == 130, output[-3000:]
-    assert "verl-remote: interrupted; destroying the backend" in output
+    assert proc.returncode == code, output[-3000:]
+    assert f"verl-remote: {said}; destroying the backend" in output
+    assert "logging.cc" not in output and "SIGABRT" not in output  # no native crash on the way out
     # Weights sync after init and after each step, the step-2 checkpoint before step 2's sync.
     assert _calls(calls)[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"]
     assert _calls(calls)[-1] == "destroy" and _calls(calls).count("destroy") == 1
@@ -196,3 +203,28 @@ def test_a_kl_penalty_gets_reference_log_probs_from_the_frozen_initial_model(tmp
     assert len(_metric(out.stdout, "timing_s/ref")) == 2  # verl asked for reference log-probs each step
     kl = _metric(out.stdout, "actor/kl_loss")
     assert kl[0] == 0.0 and kl[1] > 0.0  # identical to the reference before the first update, not after
+
+
+def test_a_second_run_in_the_same_folder_is_refused_while_the_first_runs(tmp_path: Path, ray_left_behind: Any) -> None:
+    script = str(Path(sys.executable).parent / "verl-remote")
+    first_args = [script, "train", f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK]
+    first = subprocess.Popen(
+        [*first_args, "trainer.total_training_steps=3"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert first.stdout is not None
+    for line in first.stdout:  # the first run holds the folder once it trains
+        if "training with backend" in line:
+            break
+    second = _train(tmp_path, "trainer.total_training_steps=1", timeout=120)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert (
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}: another verl-remote run (pid {first.pid}, since "
+        in (second.stderr.strip().splitlines()[-1])
+    )
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=300)
+    assert ray_left_behind() == {}

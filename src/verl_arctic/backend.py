@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from omegaconf import OmegaConf
 
-from verl_arctic.client import ArcticClient, ArcticError
+from verl_arctic.client import ArcticClient, ArcticError, describe_answer, probe_generation
 from verl_remote.backend import RemoteBackend
 
 __all__ = ["ArcticBackend", "as_dict", "job_configs"]
@@ -42,21 +42,27 @@ def as_dict(node: Any) -> dict[str, Any]:
     return {str(k): v for k, v in value.items()}
 
 
-def _client(settings: dict[str, Any], generation: str) -> ArcticClient:
-    comms = settings["comms"]
+def _token(comms: dict[str, Any]) -> str | None:
     if comms.get("protocol", "http") != "http":
         raise ValueError(
             f"remote_backend.comms.protocol={comms.get('protocol')!r} is not supported: verl-arctic talks to Arctic "
             "over HTTP (its Ray transport needs arctic_platform, which pins transformers<5, in verl's environment)"
         )
     token_env = comms.get("token_env")
-    token = None
-    if token_env:
-        token = os.environ.get(str(token_env))
-        if not token:
-            raise ValueError(
-                f"remote_backend.comms.token_env names {token_env}, but that environment variable is empty"
-            )
+    if not token_env:
+        return None
+    token = os.environ.get(str(token_env))
+    if not token:
+        raise ValueError(
+            f"remote_backend.comms.token_env={token_env}: that environment variable is empty; "
+            f"export {token_env}=<token> before the run"
+        )
+    return token
+
+
+def _client(settings: dict[str, Any], generation: str) -> ArcticClient:
+    comms = settings["comms"]
+    token = _token(comms)
     return ArcticClient(
         str(comms["url"]),
         generation,
@@ -292,6 +298,41 @@ def refusal_hint(job_type: str, body: dict[str, Any], generation: str) -> str:
     return "; ".join(hints)
 
 
+#: In the run's checkpoint folder while the run's jobs exist (see ArcticBackend.write_record).
+JOBS_FILE = "arctic_jobs.json"
+
+
+def clean_up_after_a_dead_run(client: ArcticClient, record: str) -> None:
+    """Destroy the jobs a run that ended without destroying them left on this server.
+
+    ``verl-remote train`` holds the checkpoint folder for its run, so a record there belongs to a run that is
+    gone. Jobs on another server are not touched: the message says how to remove them.
+    """
+    if not os.path.isfile(record):
+        return
+    with open(record) as fp:
+        left = json.load(fp)
+    jobs = {str(kind): int(job) for kind, job in dict(left.get("jobs") or {}).items()}
+    if str(left.get("url", "")).rstrip("/") != client.url:
+        raise ValueError(
+            f"{record}: a run that did not end cleanly left Arctic jobs {jobs} on {left.get('url')}, not on "
+            f"{client.url}; destroy them there (POST {left.get('url')}/destroy?job_id=<id> with "
+            '{"job_type": "<type>"}) and delete that file, or use another trainer.default_local_dir'
+        )
+    for kind, job in jobs.items():
+        try:
+            client.job(job)
+        except ArcticError as exc:
+            if exc.status == 404:
+                continue  # gone already (the server restarted, or someone removed it)
+            raise
+        client.destroy(job, kind)
+        log.warning(
+            "verl-arctic: destroyed %s job %d on %s, left by a run that did not end cleanly", kind, job, client.url
+        )
+    os.unlink(record)
+
+
 def check_server_size(client: ArcticClient, settings: dict[str, Any]) -> None:
     """The GPUs the server was launched with must be the ones the job configs are sized for."""
     status = client.call("status")
@@ -304,6 +345,18 @@ def check_server_size(client: ArcticClient, settings: dict[str, Any]) -> None:
             )
 
 
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: SIGTERM the launched server when the process that launched it dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
@@ -313,7 +366,18 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[bytes]:
-    """Start the Arctic service with ``command`` and wait until ``url``/health answers."""
+    """Start the Arctic service with ``command`` and wait until ``url``/health answers.
+
+    The port must be free first: otherwise the launched service cannot listen and whatever already does
+    would answer in its place.
+    """
+    port = httpx.URL(url).port or 80
+    if not _port_free(port):
+        raise ValueError(
+            f"remote_backend.comms.url={url}: port {port} is already taken, so the service that "
+            "remote_backend.comms.launch starts could not listen there; stop that process or give the launch "
+            "command and the url another port"
+        )
     proc = subprocess.Popen(shlex.split(command), preexec_fn=_die_with_parent)
     deadline = time.monotonic() + timeout
     while True:
@@ -347,7 +411,19 @@ class ArcticBackend(RemoteBackend):
         self.jobs = jobs
         self.settings = settings
         self.server = server  # the service process this backend launched, if it launched one
+        self.record: str | None = None  # where the driver keeps the ids of the jobs it created
         self._destroyed = False
+
+    def write_record(self) -> None:
+        """The jobs this run created, kept in its checkpoint folder until they are destroyed, so that a run
+        killed before it could destroy them (SIGKILL, a lost node) is cleaned up by the next one there."""
+        if self.record is None:
+            return
+        os.makedirs(os.path.dirname(self.record), exist_ok=True)
+        body = {"url": self.client.url, "generation": self.client.generation, "jobs": self.jobs, "pid": os.getpid()}
+        with open(f"{self.record}.tmp", "w") as fp:
+            json.dump(body, fp)
+        os.replace(f"{self.record}.tmp", self.record)
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> ArcticBackend:
@@ -365,9 +441,11 @@ class ArcticBackend(RemoteBackend):
                 server.terminate()
             raise
         backend = cls(client, {}, settings, server)
+        backend.record = os.path.join(str(main_config.trainer.default_local_dir), JOBS_FILE)
         timeout = float(settings["comms"].get("job_ready_timeout_s", 1800))
         try:
             check_objective(as_dict(main_config.actor_rollout_ref.actor))
+            clean_up_after_a_dead_run(client, backend.record)
             check_server_size(client, settings)
             for job_type, body in job_configs(main_config, client.generation).items():
                 if job_type == "sampling" and int(settings.get("sampling_gpus", 1)) <= 0:
@@ -380,6 +458,7 @@ class ArcticBackend(RemoteBackend):
                     hint = refusal_hint(job_type, body, client.generation)
                     raise ArcticError(f"{exc}. {hint}", status=500) from exc
                 backend.jobs[job_type] = job_id
+                backend.write_record()
                 client.wait_running(job_id, timeout)
                 log.info(
                     "verl-arctic: %s job %d is RUNNING on %s (%s)", job_type, job_id, client.url, client.generation
@@ -392,6 +471,68 @@ class ArcticBackend(RemoteBackend):
             asyncio.run(backend.destroy())
             raise
         return backend
+
+    @classmethod
+    def preflight(cls, main_config: Any) -> None:
+        """The service reachable and Arctic's, its protocol and GPUs as configured, the job configs valid."""
+        settings = as_dict(main_config.remote_backend)
+        check_objective(as_dict(main_config.actor_rollout_ref.actor))
+        comms = settings["comms"]
+        token = _token(comms)
+        url = str(comms["url"]).rstrip("/")
+        api = str(comms.get("api", "auto"))
+        if comms.get("launch"):
+            port = httpx.URL(url).port or 80
+            if not _port_free(port):
+                raise ValueError(
+                    f"remote_backend.comms.url={url}: port {port} is already taken, so the service that "
+                    "remote_backend.comms.launch starts could not listen there and the run would talk to whatever "
+                    "does; stop that process or give the launch command and the url another port"
+                )
+            job_configs(main_config, api if api != "auto" else "main")
+            return
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        timeout = float(comms.get("connect_timeout_s", 10))
+        try:
+            response = httpx.get(f"{url}/health", timeout=timeout, headers=headers)
+        except httpx.HTTPError as exc:
+            raise ValueError(
+                f"remote_backend.comms.url={url}: nothing answers there ({exc}); start Arctic's RL server at that "
+                "address, or set remote_backend.comms.url to where it runs (remote_backend.comms.launch starts one "
+                "for the run)"
+            ) from exc
+        if response.status_code in (401, 403):
+            raise ValueError(
+                f"remote_backend.comms.url={url}: the server refused the credentials (HTTP {response.status_code}); "
+                "set remote_backend.comms.token_env to the environment variable holding a valid token"
+            )
+        try:
+            healthy = response.json() == {"status": "OK"}
+        except ValueError:
+            healthy = False
+        if not healthy:
+            raise ValueError(
+                f"remote_backend.comms.url={url}: GET /health answered HTTP {response.status_code} with "
+                f"{describe_answer(response)}, not Arctic's {{'status': 'OK'}}; "
+                "is an Arctic RL server at that address?"
+            )
+        try:
+            generation = probe_generation(url, timeout=timeout, headers=headers)
+        except ArcticError as exc:
+            raise ValueError(str(exc)) from exc
+        if api not in ("auto", generation):
+            raise ValueError(
+                f"remote_backend.comms.api={api}, but the Arctic server at {url} speaks protocol {generation}; "
+                f"set remote_backend.comms.api={generation} (or auto)"
+            )
+        client = ArcticClient(url, generation, token=token, connect_timeout=timeout, retries=0)
+        try:
+            check_server_size(client, settings)
+        except ArcticError as exc:
+            raise ValueError(str(exc)) from exc
+        finally:
+            client.close()
+        job_configs(main_config, generation)
 
     def reconnect_handle(self) -> dict[str, Any]:
         return {"url": self.client.url, "generation": self.client.generation, "jobs": dict(self.jobs)}
@@ -451,6 +592,8 @@ class ArcticBackend(RemoteBackend):
                 await asyncio.to_thread(self.client.destroy, job_id, job_type)
             except ArcticError as exc:  # keep going: the other jobs still hold GPUs
                 log.warning("verl-arctic: could not destroy %s job %d: %s", job_type, job_id, exc)
+        if self.record is not None and os.path.exists(self.record):
+            os.unlink(self.record)
         self.client.close()
         if self.server is not None:
             self.server.terminate()

@@ -17,7 +17,7 @@ import httpx
 from verl_arctic import wire
 from verl_arctic.routes import ENCODING, GENERATIONS, Route, route
 
-__all__ = ["ArcticClient", "ArcticError", "probe_generation"]
+__all__ = ["ArcticClient", "ArcticError", "describe_answer", "probe_generation"]
 
 
 class ArcticError(RuntimeError):
@@ -28,11 +28,21 @@ class ArcticError(RuntimeError):
         self.status = status
 
 
-def _detail(response: httpx.Response) -> str:
+def describe_answer(response: httpx.Response) -> str:
+    """The server's own message: FastAPI's ``detail``, a text body's first line, or what a binary body is."""
+    kind = response.headers.get("content-type", "").split(";")[0].strip() or "no content type"
     try:
         body = response.json()
     except ValueError:
-        return response.text.strip() or response.reason_phrase
+        try:
+            text = response.content.decode("utf-8")
+        except UnicodeDecodeError:
+            return f"{len(response.content)} bytes of {kind}, not Arctic's JSON"
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            return response.reason_phrase
+        first = lines[0] if len(lines[0]) <= 200 else lines[0][:200] + "..."
+        return first if kind == "text/plain" else f"{first} ({kind}, not Arctic's JSON)"
     detail = body.get("detail", body) if isinstance(body, dict) else body
     return detail if isinstance(detail, str) else str(detail)
 
@@ -117,7 +127,8 @@ class ArcticClient:
 
     def _fail(self, operation: str, spec: Route, url: str, response: httpx.Response) -> ArcticError:
         return ArcticError(
-            f"Arctic call {operation} ({spec.method} {url}) failed: HTTP {response.status_code}: {_detail(response)}",
+            f"Arctic call {operation} ({spec.method} {url}) failed: "
+            f"HTTP {response.status_code}: {describe_answer(response)}",
             status=response.status_code,
         )
 

@@ -48,9 +48,12 @@ class RemoteBackend(abc.ABC):
             method = cls.__dict__.get(name)
             if method is not None and inspect.iscoroutinefunction(method):
                 raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} must be a plain 'def', not 'async def'")
-        from_config = cls.__dict__.get("from_config")
-        if from_config is not None and not isinstance(from_config, classmethod):
-            raise TypeError(f"{cls.__module__}.{cls.__qualname__}.from_config must be a classmethod")
+        for name in ("from_config", "preflight"):
+            method = cls.__dict__.get(name)
+            if method is not None and not isinstance(method, classmethod):
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} must be a classmethod")
+            if method is not None and inspect.iscoroutinefunction(method.__func__):
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} must be a plain 'def', not 'async def'")
 
     @classmethod
     @abc.abstractmethod
@@ -65,6 +68,19 @@ class RemoteBackend(abc.ABC):
                 returned by :meth:`reconnect_handle` on the driver: attach to that
                 same backend, create nothing.
         """
+
+    @classmethod
+    def preflight(cls, main_config: Any) -> None:
+        """Check, in seconds and before anything starts, what :meth:`from_config` will need.
+
+        ``verl-remote train`` calls it on the driver before Ray starts. Raise
+        ``ValueError`` with a message naming the setting, its value and the fix
+        (the service unreachable at ``remote_backend.url``, a missing credential,
+        a protocol the backend does not speak); the run then stops with exit 2
+        and that message as its last line. Create nothing here. The default
+        checks nothing.
+        """
+        return None
 
     @abc.abstractmethod
     def reconnect_handle(self) -> dict[str, Any]:

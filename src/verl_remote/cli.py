@@ -19,6 +19,7 @@ __all__ = ["main"]
 EXIT_FAILED = 1  # a check or a backend failed
 EXIT_USAGE = 2  # bad input: unknown backend, bad override, missing file
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report it
+EXIT_TERMINATED = 143  # SIGTERM, as shells report it
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -54,24 +55,34 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from verl_remote.compose import compose_config
-    from verl_remote.train import prepare_config, run
+    from verl_remote.preflight import run_preflight
+    from verl_remote.registry import load_backend_class
+    from verl_remote.train import Terminated, hold_run_folder, prepare_config, run
 
     config = prepare_config(compose_config(args.overrides, recipe=args.recipe))
+    name = str(config.remote_backend.name)
+    defaults = compose_config([f"remote_backend={name}"], recipe=args.recipe)
+    for note in run_preflight(config, defaults, load_backend_class(name).preflight):
+        print(f"verl-remote: {note}", flush=True)
     print(
         f"verl-remote: training with backend '{config.remote_backend.name}' for "
         f"{config.trainer.total_training_steps} steps (model {config.actor_rollout_ref.model.path})",
         flush=True,
     )
-    try:
-        summary = run(config)
-    except KeyboardInterrupt:
-        print("verl-remote train: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as exc:
-        if args.traceback:
-            raise
-        print(f"verl-remote train: the run failed: {_root_cause(exc)}", file=sys.stderr)
-        return EXIT_FAILED
+    with hold_run_folder(str(config.trainer.default_local_dir)):  # another run there: exit 2
+        try:
+            summary = run(config)
+        except KeyboardInterrupt:
+            print("verl-remote train: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Terminated:
+            print("verl-remote train: terminated by SIGTERM", file=sys.stderr)
+            return EXIT_TERMINATED
+        except Exception as exc:
+            if args.traceback:
+                raise
+            print(f"verl-remote train: the run failed: {_root_cause(exc)}", file=sys.stderr)
+            return EXIT_FAILED
     print(summary.line(), flush=True)
     return 0
 

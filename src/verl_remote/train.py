@@ -14,6 +14,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +22,67 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from verl_remote.compose import ConfigError
 
-__all__ = ["DEMO_PREFIX", "RunSummary", "prepare_config", "run"]
+__all__ = ["DEMO_PREFIX", "RunFolderBusy", "RunSummary", "Terminated", "hold_run_folder", "prepare_config", "run"]
 
 log = logging.getLogger(__name__)
 
 #: Config values starting with this name an asset of the built-in demo, made on first use.
 DEMO_PREFIX = "verl-remote://demo/"
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the driver (``kill``, systemd, a scheduler): the run stops as on Ctrl-C."""
+
+
+class RunFolderBusy(ConfigError):
+    """Another run holds the checkpoint folder."""
+
+
+LOCK_FILE = ".verl-remote.lock"
+
+
+@contextmanager
+def hold_run_folder(folder: str) -> Iterator[None]:
+    """Hold ``folder`` for this run: a second run in it is refused, never interleaved.
+
+    An advisory lock on a file in the folder, released when this process ends however it ends (the kernel
+    drops the lock of a killed process), so a crashed run never blocks the next one.
+    """
+    import fcntl
+    import time
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LOCK_FILE)
+    handle = open(path, "a+")  # noqa: SIM115 - held for the whole run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunFolderBusy(
+            f"trainer.default_local_dir={folder}: another verl-remote run ({holder}) is using this folder; "
+            "wait for it to end, or set trainer.default_local_dir to another folder"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    try:
+        yield
+    finally:
+        handle.close()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    # Raised as KeyboardInterrupt, the one exception Ray's blocking calls are written to let through;
+    # run() turns it into Terminated on the way out.
+    global _TERMINATED
+    _TERMINATED = True
+    raise KeyboardInterrupt
+
+
+_TERMINATED = False
 
 
 @dataclass
@@ -143,19 +199,28 @@ def run(config: DictConfig) -> RunSummary:
     from verl_remote.trainer import RemoteTaskRunner
 
     _ray_init(config)
-    runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
-    result = runner.run.remote(config)
+    # After Ray's own handler (which exits mid-call and crashes in Ray's C++ teardown): SIGTERM stops the
+    # run the way Ctrl-C does.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        summary: RunSummary = ray.get(result)
-        return summary
-    except KeyboardInterrupt:
-        # A second Ctrl-C while the backend shuts down would leave it running: ignore it.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print("\nverl-remote: interrupted; destroying the backend ...", file=sys.stderr, flush=True)
+        runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
+        result = runner.run.remote(config)
         try:
-            ray.get(runner.destroy_backend.remote(), timeout=300)
-        except Exception as exc:
-            print(f"verl-remote: destroying the backend failed: {exc}", file=sys.stderr)
-        raise
+            summary: RunSummary = ray.get(result)
+            return summary
+        except KeyboardInterrupt:
+            # A second signal while the backend shuts down would leave it running: ignore it.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            what = "terminated (SIGTERM)" if _TERMINATED else "interrupted"
+            print(f"\nverl-remote: {what}; destroying the backend ...", file=sys.stderr, flush=True)
+            try:
+                ray.get(runner.destroy_backend.remote(), timeout=300)
+            except Exception as exc:
+                print(f"verl-remote: destroying the backend failed: {exc}", file=sys.stderr)
+            if _TERMINATED:
+                raise Terminated(signal.SIGTERM) from None
+            raise
     finally:
         ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)

@@ -172,3 +172,30 @@ def test_a_sampler_without_log_probs_fails_the_step_in_its_own_words_or_trains_w
         assert without.returncode == 0, without.stderr[-3000:]
         assert _steps(without.stdout)[-1:] == [1]
         assert "training/rollout_probs_diff_max" not in without.stdout
+
+
+def test_after_the_driver_is_killed_the_next_run_removes_its_jobs_and_resumes(tmp_path: Path) -> None:
+    """SIGKILL leaves no chance to clean up: the dead run's jobs stay on the service, recorded in its folder."""
+    with _serving("main", tmp_path) as url:
+        script = str(Path(sys.executable).parent / "verl-remote")
+        ckpt = tmp_path / "ckpt"
+        args = ["train", "remote_backend=arctic", f"remote_backend.comms.url={url}", *QUICK]
+        args += [f"trainer.default_local_dir={ckpt}", "trainer.total_training_steps=4", "trainer.save_freq=2"]
+        proc = subprocess.Popen(
+            [script, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "step:2 " in line:
+                break
+        proc.kill()
+        proc.wait(timeout=60)
+        left = json.loads((ckpt / "arctic_jobs.json").read_text())
+        assert set(_jobs(url)) == {str(job) for job in left["jobs"].values()}  # still held on the service
+
+        resumed = _train(tmp_path, url, "trainer.total_training_steps=4", "trainer.save_freq=2")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert _steps(resumed.stdout) == [3, 4]
+        for kind, job in left["jobs"].items():
+            assert f"destroyed {kind} job {job} on {url}, left by a run that did not end cleanly" in resumed.stderr
+        assert _jobs(url) == {} and not (ckpt / "arctic_jobs.json").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -39,11 +40,15 @@ class FaultyBackend(LocalBackend):
 
     async def update_weights(self) -> None:
         self._record("update_weights")
+        hold = float(self.settings.get("hold_after_save_s") or 0.0)
+        if hold and getattr(self, "_saved", False):
+            await asyncio.sleep(hold)  # a slow step, so that a test's signal lands inside the run
         await super().update_weights()
 
     async def save_checkpoint(self, step: int, path: str) -> None:
         self._record(f"save_checkpoint {step}")
         await super().save_checkpoint(step, path)
+        self._saved = True
 
     async def load_checkpoint(self, step: int, path: str) -> None:
         self._record(f"load_checkpoint {step}")

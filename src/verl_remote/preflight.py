@@ -1,0 +1,198 @@
+"""Checks of a composed run before anything starts: seconds instead of minutes, and the fix in the message.
+
+``verl-remote train`` runs them after composing the config and before Ray
+starts. Each failure is a :class:`PreflightError` whose message names the key,
+the offending value and what to do; the CLI prints it as its last line and
+exits 2. What is checked:
+
+- values verl will do arithmetic on: a key whose default is a number (or that
+  verl reads as one, see :data:`NUMERIC_KEYS`) must hold a number;
+- files and folders the run reads: the data files, the model and tokenizer
+  (a name that is not a local path is noted as one the hub must provide);
+- the checkpoint folder is writable; the checkpoint a resume would load exists;
+- the backend's own preflight (:meth:`verl_remote.RemoteBackend.preflight`):
+  its service reachable, the right protocol, credentials present.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from verl_remote.compose import ConfigError
+
+__all__ = ["NUMERIC_KEYS", "PreflightError", "run_preflight"]
+
+
+class PreflightError(ConfigError):
+    """An input that would make the run fail later; the message says which key, which value and the fix."""
+
+
+#: Keys whose default is null but that verl reads as numbers when set.
+NUMERIC_KEYS = (
+    "trainer.total_training_steps",
+    "data.val_batch_size",
+    "data.max_samples",
+    "actor_rollout_ref.actor.ppo_micro_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.max_model_len",
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, DictConfig):
+        for key, value in node.items_ex(resolve=False):
+            yield from _leaves(value, f"{prefix}{key!s}.")
+    elif isinstance(node, ListConfig):
+        for index, value in enumerate(node):
+            yield from _leaves(value, f"{prefix}{index}.")
+    else:
+        yield prefix.rstrip("."), node
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_types(config: DictConfig, defaults: DictConfig) -> None:
+    """A key verl computes with must hold a number: its default's type, or :data:`NUMERIC_KEYS`."""
+    typed = {key: value for key, value in _leaves(defaults) if _number(value) or isinstance(value, bool)}
+    for key in NUMERIC_KEYS:
+        typed.setdefault(key, 0)
+    for key, default in typed.items():
+        value = OmegaConf.select(config, key, throw_on_missing=False, default=None)
+        if value is None or isinstance(value, DictConfig | ListConfig):
+            continue
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise PreflightError(f"{key}={value!r}: expected true or false; set {key}=true or {key}=false")
+        elif not _number(value):
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise PreflightError(f"{key}={value!r}: expected {kind}; set {key}=<{kind.split()[-1]}>")
+
+
+def _paths(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, ListConfig | list | tuple):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def _local(path: str) -> bool:
+    return "://" not in path
+
+
+def check_data(config: DictConfig) -> None:
+    """Every local data file the run reads exists."""
+    for key in ("data.train_files", "data.val_files"):
+        for path in _paths(OmegaConf.select(config, key, default=None)):
+            if not _local(path):
+                continue
+            expanded = os.path.expanduser(path)
+            if not os.path.isfile(expanded):
+                what = "a folder, not a file" if os.path.isdir(expanded) else "no such file"
+                raise PreflightError(f"{key}={path}: {what}; point {key} at the data set's parquet file(s)")
+
+
+def check_model(config: DictConfig) -> list[str]:
+    """The model (and tokenizer) folders exist; a hub name is noted, or refused when the hub is off."""
+    notes: list[str] = []
+    model = OmegaConf.select(config, "actor_rollout_ref.model", default=None)
+    if model is None:
+        return notes
+    for field in ("path", "tokenizer_path", "hf_config_path"):
+        value = model.get(field)
+        if value is None:
+            continue
+        key, path = f"actor_rollout_ref.model.{field}", str(value)
+        expanded = os.path.expanduser(path)
+        if os.path.isdir(expanded):
+            if field != "tokenizer_path" and not os.path.isfile(os.path.join(expanded, "config.json")):
+                raise PreflightError(
+                    f"{key}={path}: the folder has no config.json, so it is not a Hugging Face model; "
+                    "point it at a model folder (save_pretrained's output) or a hub name"
+                )
+            continue
+        if os.path.exists(expanded) or path.startswith(("/", ".", "~")) or not _HUB_ID.match(path):
+            raise PreflightError(f"{key}={path}: no such folder; point {key} at a local model folder or a hub name")
+        if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+            raise PreflightError(
+                f"{key}={path}: not a local path, and HF_HUB_OFFLINE is set, so it cannot be downloaded; "
+                "download it first and point the key at the folder"
+            )
+        notes.append(f"{key}={path} is not a local path; it will be downloaded from the Hugging Face hub")
+    return notes
+
+
+def check_output(config: DictConfig) -> None:
+    """The checkpoint folder can be created and written."""
+    folder = str(config.trainer.default_local_dir)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".verl-remote-write-check-"):
+            pass
+    except OSError as exc:
+        raise PreflightError(
+            f"trainer.default_local_dir={folder}: cannot write there ({exc.strerror or exc}); "
+            "set trainer.default_local_dir to a folder this user can write"
+        ) from exc
+
+
+def check_resume(config: DictConfig) -> None:
+    """The checkpoint a resume would load is there."""
+    trainer = config.trainer
+    mode = str(trainer.get("resume_mode", "auto"))
+    if mode == "resume_path":
+        path = trainer.get("resume_from_path")
+        if path is None or not os.path.isdir(str(path)):
+            raise PreflightError(
+                f"trainer.resume_from_path={path}: no such checkpoint folder (trainer.resume_mode=resume_path); "
+                "point it at a global_step_<N> folder, or set trainer.resume_mode=auto"
+            )
+    elif mode == "auto":
+        folder = str(trainer.default_local_dir)
+        tracker = os.path.join(folder, "latest_checkpointed_iteration.txt")
+        if not os.path.isfile(tracker):
+            return
+        text = open(tracker).read().strip()  # noqa: SIM115 - a one-line file
+        if not text.isdigit():
+            raise PreflightError(
+                f"trainer.default_local_dir={folder}: its latest_checkpointed_iteration.txt holds {text!r}, not a "
+                "step number; fix or delete that file, or set trainer.resume_mode=disable"
+            )
+        step = os.path.join(folder, f"global_step_{text}")
+        if not os.path.isdir(step):
+            raise PreflightError(
+                f"trainer.default_local_dir={folder}: latest_checkpointed_iteration.txt names step {text}, but "
+                f"{step} does not exist; point the file at a step that does, or set trainer.resume_mode=disable"
+            )
+
+
+def run_preflight(
+    config: DictConfig, defaults: DictConfig, backend_preflight: Callable[[DictConfig], None] | None = None
+) -> list[str]:
+    """Every check, the backend's last; the notes worth printing. Raises :class:`PreflightError`."""
+    check_types(config, defaults)
+    check_data(config)
+    notes = check_model(config)
+    check_output(config)
+    check_resume(config)
+    if backend_preflight is not None:
+        try:
+            backend_preflight(config)
+        except PreflightError:
+            raise
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from exc
+    return notes

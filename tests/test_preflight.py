@@ -1,0 +1,156 @@
+"""Inputs that would fail a run late are refused before Ray starts: exit 2, the key, the value and the fix."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, free_port
+from verl_remote.compose import compose_config
+from verl_remote.preflight import PreflightError, check_model, check_resume, check_types, run_preflight
+from verl_remote.train import resolve_demo_assets
+
+
+def _last_line(stderr: str) -> str:
+    return stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.total_training_steps=abc", "trainer.total_training_steps='abc': expected an integer"),
+        ("data.train_batch_size=big", "data.train_batch_size='big': expected an integer"),
+        ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr='fast': expected a number"),
+        ("trainer.val_before_train=maybe", "trainer.val_before_train='maybe': expected true or false"),
+    ],
+)
+def test_values_verl_computes_with_must_be_numbers(override: str, message: str) -> None:
+    defaults = compose_config()
+    with pytest.raises(PreflightError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_types(compose_config([override]), defaults)
+
+
+def test_a_hub_name_is_noted_a_missing_folder_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    hub = compose_config(["actor_rollout_ref.model.path=Qwen/Qwen3-0.6B"])
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert check_model(hub) == [
+        "actor_rollout_ref.model.path=Qwen/Qwen3-0.6B is not a local path; it will be downloaded from the Hugging "
+        "Face hub"
+    ]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PreflightError, match="HF_HUB_OFFLINE is set, so it cannot be downloaded"):
+        check_model(hub)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreflightError, match="the folder has no config.json"):
+        check_model(compose_config([f"actor_rollout_ref.model.path={tmp_path / 'empty'}"]))
+
+
+def test_a_resume_target_that_is_not_there_is_named(tmp_path: Path) -> None:
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    config = compose_config([f"trainer.default_local_dir={tmp_path}"])
+    with pytest.raises(PreflightError, match=r"names step 7, but .*global_step_7 does not exist"):
+        check_resume(config)
+    (tmp_path / "global_step_7").mkdir()
+    check_resume(config)
+
+
+def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> None:
+    def refuse(config: object) -> None:
+        raise ValueError("remote_backend.url=x: nothing answers there")
+
+    config = compose_config([f"trainer.default_local_dir={tmp_path}"])
+    resolve_demo_assets(config)
+    with pytest.raises(PreflightError, match="nothing answers there"):
+        run_preflight(config, compose_config(), refuse)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.total_training_steps=abc"], "trainer.total_training_steps='abc': expected an integer"),
+        (["data.train_files=/nope.parquet"], "data.train_files=/nope.parquet: no such file"),
+        (["actor_rollout_ref.model.path=/nope/model"], "actor_rollout_ref.model.path=/nope/model: no such folder"),
+        (["trainer.default_local_dir=/proc/verl-remote"], "trainer.default_local_dir=/proc/verl-remote: cannot write"),
+    ],
+)
+def test_the_cli_refuses_bad_input_with_exit_2_before_ray_starts(
+    overrides: list[str], message: str, tmp_path: Path
+) -> None:
+    out = cli("train", *overrides, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in _last_line(out.stderr)
+    assert "Started a local Ray instance" not in out.stderr + out.stdout
+
+
+class _Answer(http.server.BaseHTTPRequestHandler):
+    body = b""
+    status = 200
+    kind = "text/html"
+
+    def do_GET(self) -> None:  # the stdlib names it so
+        self.send_response(self.status)
+        self.send_header("Content-Type", self.kind)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _answering(status: int, kind: str, body: bytes) -> Iterator[str]:
+    handler = type("Handler", (_Answer,), {"status": status, "kind": kind, "body": body})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def html_404() -> Iterator[str]:
+    yield from _answering(404, "text/html", b"<html>\n<body>Not here</body>\n</html>\n")
+
+
+@pytest.fixture
+def binary_200() -> Iterator[str]:
+    yield from _answering(200, "application/octet-stream", bytes(range(256)))
+
+
+def test_an_arctic_url_where_nothing_or_something_else_answers(html_404: str, binary_200: str, tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    for url, message in (
+        (dead, f"remote_backend.comms.url={dead}: nothing answers there"),
+        (html_404, "GET /health answered HTTP 404 with <html> (text/html, not Arctic's JSON)"),
+        (binary_200, "GET /health answered HTTP 200 with 256 bytes of application/octet-stream"),
+    ):
+        out = cli("train", "remote_backend=arctic", f"remote_backend.comms.url={url}", cwd=tmp_path, timeout=120)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert message in _last_line(out.stderr)
+
+
+def test_a_launched_arctic_service_whose_port_is_taken_is_refused(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        launch = f"python -m verl_arctic.testing.server --port {port}"
+        out = cli(
+            "train",
+            "remote_backend=arctic",
+            f"remote_backend.comms.url={url}",
+            f"remote_backend.comms.launch='{launch}'",
+            cwd=tmp_path,
+            timeout=120,
+        )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"port {port} is already taken" in _last_line(out.stderr)

@@ -228,3 +228,47 @@ def test_a_second_run_in_the_same_folder_is_refused_while_the_first_runs(tmp_pat
     first.send_signal(signal.SIGINT)
     first.communicate(timeout=300)
     assert ray_left_behind() == {}
+
+
+def test_a_damaged_latest_checkpoint_is_named_and_passed_over_for_the_previous_one(tmp_path: Path) -> None:
+    first = _train(tmp_path, "trainer.total_training_steps=4", "trainer.save_freq=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    weights = ckpt / "global_step_4" / "actor" / "local_engine" / "local_engine.pt"
+    weights.write_bytes(weights.read_bytes()[:100])  # a disk full, a copy cut short
+    saved = _checkpoint_checksum(ckpt / "global_step_2" / "actor")
+
+    pinned = _train(tmp_path, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt / 'global_step_4'}")
+    assert pinned.returncode == 2
+    assert f"{weights} has 100 bytes" in pinned.stderr.strip().splitlines()[-1]
+    assert f"trainer.resume_from_path={ckpt / 'global_step_2'}" in pinned.stderr.strip().splitlines()[-1]
+
+    resumed = _train(tmp_path, "trainer.total_training_steps=4", "trainer.resume_mode=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"the latest checkpoint, global_step_4, cannot be resumed: {weights} has 100 bytes, " in resumed.stdout
+    assert "resuming from global_step_2, the newest complete one" in resumed.stdout
+    assert _steps(resumed.stdout) == [3, 4]
+    assert f"(weights sha256 {saved})" in resumed.stdout
+
+
+def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
+    calls = tmp_path / "calls.txt"
+    args = ["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2"]
+    script = str(Path(sys.executable).parent / "verl-remote")
+    command = [script, "train", f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK, *args]
+    command += ["trainer.total_training_steps=4", "remote_backend.hold_in_save_s=300"]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 400
+    while not (calls.exists() and "holding in save_checkpoint 4" in calls.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the step-4 save"
+        time.sleep(0.5)
+    proc.kill()  # SIGKILL in the middle of the step-4 save: the backend's part written, verl's not
+    proc.wait(timeout=60)
+    saved = _checkpoint_checksum(tmp_path / "ckpt" / "global_step_2" / "actor")
+
+    calls.unlink()
+    resumed = _train(tmp_path, *args, "trainer.total_training_steps=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _steps(resumed.stdout) == [3, 4]
+    assert f"(weights sha256 {saved})" in resumed.stdout
+    assert _calls(calls)[0] == "load_checkpoint 2"

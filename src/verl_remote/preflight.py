@@ -149,10 +149,18 @@ def check_output(config: DictConfig) -> None:
         ) from exc
 
 
-def check_resume(config: DictConfig) -> None:
-    """The checkpoint a resume would load is there."""
+def check_resume(config: DictConfig) -> list[str]:
+    """The checkpoint a resume would load is there and complete (:mod:`verl_remote.checkpoints`).
+
+    With ``resume_mode=auto`` a damaged or cut-short latest checkpoint is passed over for the newest complete
+    one (the note says which and why); with ``resume_path`` it is refused, naming the file.
+    """
+    from verl_remote.checkpoints import check, complete_steps, resume_target
+
     trainer = config.trainer
     mode = str(trainer.get("resume_mode", "auto"))
+    folder = str(trainer.default_local_dir)
+    start_over = "set trainer.resume_mode=disable to start over"
     if mode == "resume_path":
         path = trainer.get("resume_from_path")
         if path is None or not os.path.isdir(str(path)):
@@ -160,23 +168,29 @@ def check_resume(config: DictConfig) -> None:
                 f"trainer.resume_from_path={path}: no such checkpoint folder (trainer.resume_mode=resume_path); "
                 "point it at a global_step_<N> folder, or set trainer.resume_mode=auto"
             )
-    elif mode == "auto":
-        folder = str(trainer.default_local_dir)
-        tracker = os.path.join(folder, "latest_checkpointed_iteration.txt")
-        if not os.path.isfile(tracker):
-            return
-        text = open(tracker).read().strip()  # noqa: SIM115 - a one-line file
-        if not text.isdigit():
+        parent = os.path.dirname(os.path.abspath(str(path)))
+        problem = check(str(path))
+        complete = complete_steps(parent)
+        if problem is not None and complete:  # a folder of recorded checkpoints: this one was cut short or damaged
+            newest = os.path.join(parent, f"global_step_{complete[0]}")
             raise PreflightError(
-                f"trainer.default_local_dir={folder}: its latest_checkpointed_iteration.txt holds {text!r}, not a "
-                "step number; fix or delete that file, or set trainer.resume_mode=disable"
+                f"trainer.resume_from_path={path}: {problem}; resume from a complete one, e.g. "
+                f"trainer.resume_from_path={newest}"
             )
-        step = os.path.join(folder, f"global_step_{text}")
-        if not os.path.isdir(step):
-            raise PreflightError(
-                f"trainer.default_local_dir={folder}: latest_checkpointed_iteration.txt names step {text}, but "
-                f"{step} does not exist; point the file at a step that does, or set trainer.resume_mode=disable"
-            )
+        return []
+    if mode != "auto":
+        return []
+    try:
+        choice = resume_target(folder)
+    except ValueError as exc:
+        raise PreflightError(f"trainer.default_local_dir={folder}: {exc}; {start_over}") from exc
+    if choice.step is not None and not os.path.isdir(os.path.join(folder, f"global_step_{choice.step}")):
+        raise PreflightError(
+            f"trainer.default_local_dir={folder}: latest_checkpointed_iteration.txt names step {choice.step}, but "
+            f"{os.path.join(folder, f'global_step_{choice.step}')} does not exist; point the file at a step that "
+            f"does, or {start_over}"
+        )
+    return [choice.note] if choice.note else []
 
 
 def run_preflight(
@@ -187,7 +201,7 @@ def run_preflight(
     check_data(config)
     notes = check_model(config)
     check_output(config)
-    check_resume(config)
+    notes += check_resume(config)
     if backend_preflight is not None:
         try:
             backend_preflight(config)

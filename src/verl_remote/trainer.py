@@ -32,6 +32,7 @@ require_supported_verl()  # before importing verl internals that a newer verl ma
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any
 
@@ -45,6 +46,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 
 from verl_remote.backend import RemoteBackend
+from verl_remote.checkpoints import resume_target, seal
 from verl_remote.registry import load_backend_class, load_rollout_class, load_worker_class
 from verl_remote.train import RunSummary
 from verl_remote.worker import CUSTOM_KEY
@@ -137,6 +139,21 @@ class RemotePPOTrainer(PPOTrainerSync):
         self.resource_pool_manager: ResourcePoolManager = CPUResourcePoolManager(
             resource_pool_spec=spec, mapping=self.mapping
         )
+
+    def _save_checkpoint(self) -> None:
+        """verl's save, then the completion record that makes it count (:mod:`verl_remote.checkpoints`)."""
+        super()._save_checkpoint()
+        folder = os.path.join(str(self.config.trainer.default_local_dir), f"global_step_{self.global_steps}")
+        if os.path.isdir(folder):
+            seal(folder)
+
+    def _load_checkpoint(self) -> Any:
+        """verl's resume, from the newest complete checkpoint when the latest is not (``resume_mode=auto``)."""
+        if str(self.config.trainer.resume_mode) == "auto":
+            choice = resume_target(str(self.config.trainer.default_local_dir))
+            if choice.note:
+                log.warning("verl-remote: %s", choice.note)
+        return super()._load_checkpoint()
 
     def _publish_weights_version(self) -> None:
         """Tell every rollout server which training step its weights come from."""

@@ -48,6 +48,10 @@ class FaultyBackend(LocalBackend):
     async def save_checkpoint(self, step: int, path: str) -> None:
         self._record(f"save_checkpoint {step}")
         await super().save_checkpoint(step, path)
+        hold = float(self.settings.get("hold_in_save_s") or 0.0)
+        if hold and getattr(self, "_saved", False):
+            self._record(f"holding in save_checkpoint {step}")
+            await asyncio.sleep(hold)  # a save caught midway, for tests that kill the run there
         self._saved = True
 
     async def load_checkpoint(self, step: int, path: str) -> None:

@@ -1,0 +1,144 @@
+"""Checkpoints that are complete or ignored: a completion record per save, checked before a resume.
+
+verl writes a step's checkpoint (``global_step_<N>/``: the backend's ``actor/``
+part and verl's ``data.pt``) into its final folder and then points
+``latest_checkpointed_iteration.txt`` at it. A save killed midway, or a file
+damaged later, leaves a latest checkpoint that fails the resume deep inside a
+loader. So, after verl's save, :func:`seal` syncs every file to disk and
+writes a record of the files and their sizes (``.verl-remote-complete.json``,
+written atomically); before a resume :func:`resume_target` checks the
+checkpoint the tracker names against its record. A checkpoint without a record
+in a folder where others have one was cut short; a file missing or of another
+size than recorded was damaged. With ``trainer.resume_mode=auto`` the tracker
+is moved to the newest complete checkpoint, and the run says which and why;
+with ``resume_path`` the run is refused, naming the file.
+
+Checkpoints saved before records existed (no checkpoint in the folder has one)
+are trusted as verl trusts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = ["RECORD", "TRACKER", "Choice", "check", "complete_steps", "resume_target", "seal"]
+
+RECORD = ".verl-remote-complete.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+_STEP = re.compile(r"^global_step_(\d+)$")
+
+
+def _files(folder: str) -> dict[str, int]:
+    sizes = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if relative != RECORD and not os.path.islink(path):
+                sizes[relative] = os.path.getsize(path)
+    return dict(sorted(sizes.items()))
+
+
+def _fsync(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def seal(step_folder: str) -> None:
+    """Sync a finished save to disk and record its files: from now on it counts as complete."""
+    sizes = _files(step_folder)
+    for relative in sizes:
+        _fsync(os.path.join(step_folder, relative))
+    temporary = os.path.join(step_folder, f"{RECORD}.tmp")
+    with open(temporary, "w") as fp:
+        json.dump({"files": sizes}, fp, indent=0)
+        fp.flush()
+        os.fsync(fp.fileno())
+    os.replace(temporary, os.path.join(step_folder, RECORD))
+    _fsync(step_folder)
+
+
+def check(step_folder: str) -> str | None:
+    """None when ``step_folder`` holds what its record says; otherwise what is wrong, naming the file."""
+    record = os.path.join(step_folder, RECORD)
+    if not os.path.isfile(record):
+        return "it has no completion record (its save did not finish)"
+    try:
+        with open(record) as fp:
+            sizes = dict(json.load(fp)["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its completion record {record} cannot be read ({exc})"
+    for relative, size in sizes.items():
+        path = os.path.join(step_folder, relative)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        actual = os.path.getsize(path)
+        if actual != int(size):
+            return f"{path} has {actual} bytes, {size} were written"
+    return None
+
+
+def _steps(folder: str) -> list[int]:
+    found = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        match = _STEP.match(name)
+        if match and os.path.isdir(os.path.join(folder, name)):
+            found.append(int(match.group(1)))
+    return sorted(found, reverse=True)
+
+
+def complete_steps(folder: str) -> list[int]:
+    """The steps under ``folder`` whose checkpoints are complete, newest first."""
+    return [step for step in _steps(folder) if check(os.path.join(folder, f"global_step_{step}")) is None]
+
+
+@dataclass
+class Choice:
+    """What a resume in ``auto`` mode should load, and why it is not simply the latest."""
+
+    step: int | None
+    note: str | None = None
+
+
+def resume_target(folder: str) -> Choice:
+    """The checkpoint an ``auto`` resume should load; moves the tracker when the latest is not complete.
+
+    Raises ValueError when the latest checkpoint is damaged and none before it is complete.
+    """
+    tracker = os.path.join(folder, TRACKER)
+    if not os.path.isfile(tracker):
+        return Choice(None)
+    with open(tracker) as fp:
+        text = fp.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker} holds {text!r}, not a step number")
+    latest = int(text)
+    if not any(os.path.isfile(os.path.join(folder, f"global_step_{s}", RECORD)) for s in _steps(folder)):
+        return Choice(latest)  # saved before completion records: trusted as verl trusts them
+    problem = check(os.path.join(folder, f"global_step_{latest}"))
+    if problem is None:
+        return Choice(latest)
+    earlier = [step for step in complete_steps(folder) if step < latest]
+    if not earlier:
+        raise ValueError(
+            f"the latest checkpoint, global_step_{latest}, cannot be resumed: {problem}; and no earlier "
+            "checkpoint is complete"
+        )
+    chosen = earlier[0]
+    temporary = f"{tracker}.tmp"
+    with open(temporary, "w") as fp:
+        fp.write(str(chosen))
+        fp.flush()
+        os.fsync(fp.fileno())
+    os.replace(temporary, tracker)
+    return Choice(
+        chosen,
+        f"the latest checkpoint, global_step_{latest}, cannot be resumed: {problem}; resuming from "
+        f"global_step_{chosen}, the newest complete one",
+    )

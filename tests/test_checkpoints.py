@@ -1,0 +1,52 @@
+"""Completion records: a checkpoint cut short or damaged is named, and an auto resume passes it over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from verl_remote.checkpoints import TRACKER, check, complete_steps, resume_target, seal
+
+
+def _save(folder: Path, step: int, payload: bytes = b"weights", sealed: bool = True) -> Path:
+    step_folder = folder / f"global_step_{step}"
+    (step_folder / "actor").mkdir(parents=True)
+    (step_folder / "actor" / "model.pt").write_bytes(payload * step)
+    (step_folder / "data.pt").write_bytes(b"dataloader")
+    if sealed:
+        seal(str(step_folder))
+    (folder / TRACKER).write_text(str(step))
+    return step_folder
+
+
+def test_a_sealed_checkpoint_is_complete_until_a_file_changes_size(tmp_path: Path) -> None:
+    step = _save(tmp_path, 2)
+    assert check(str(step)) is None
+    (step / "actor" / "model.pt").write_bytes(b"cut")
+    assert check(str(step)) == f"{step / 'actor' / 'model.pt'} has 3 bytes, 14 were written"
+    (step / "data.pt").unlink()
+    assert check(str(step)) == f"{step / 'actor' / 'model.pt'} has 3 bytes, 14 were written"
+
+
+def test_auto_resume_passes_over_a_save_cut_short_for_the_newest_complete_one(tmp_path: Path) -> None:
+    _save(tmp_path, 2)
+    _save(tmp_path, 4)
+    _save(tmp_path, 6, sealed=False)  # verl moved the tracker, the record never came
+    choice = resume_target(str(tmp_path))
+    assert choice.step == 4 and (tmp_path / TRACKER).read_text() == "4"
+    assert choice.note == (
+        "the latest checkpoint, global_step_6, cannot be resumed: it has no completion record (its save did not "
+        "finish); resuming from global_step_4, the newest complete one"
+    )
+    assert complete_steps(str(tmp_path)) == [4, 2]
+    assert resume_target(str(tmp_path)).note is None  # now the latest is complete
+
+
+def test_a_damaged_only_checkpoint_is_refused_and_old_folders_are_trusted(tmp_path: Path) -> None:
+    only = _save(tmp_path / "run", 2)
+    (only / "data.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="data.pt has 0 bytes, 10 were written; and no earlier checkpoint"):
+        resume_target(str(tmp_path / "run"))
+    _save(tmp_path / "old", 2, sealed=False)  # saved before completion records existed
+    assert resume_target(str(tmp_path / "old")).step == 2

@@ -202,6 +202,9 @@ def run(config: DictConfig) -> RunSummary:
     # After Ray's own handler (which exits mid-call and crashes in Ray's C++ teardown): SIGTERM stops the
     # run the way Ctrl-C does.
     previous = signal.signal(signal.SIGTERM, _terminate)
+    # A shell starts background jobs with SIGINT ignored, and Python then keeps it so: a run stops on SIGINT
+    # however it was started.
+    previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
         result = runner.run.remote(config)
@@ -224,3 +227,4 @@ def run(config: DictConfig) -> RunSummary:
     finally:
         ray.shutdown()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_interrupt)

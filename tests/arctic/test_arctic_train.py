@@ -116,8 +116,9 @@ def test_a_server_error_names_the_call_and_the_server_and_the_run_destroys_its_j
 def test_an_unreachable_server_fails_before_anything_is_created(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     out = _train(tmp_path, dead, "trainer.total_training_steps=1")
-    assert out.returncode == 1
-    assert f"cannot reach the Arctic server at {dead}" in out.stderr
+    assert out.returncode == 2  # refused by the preflight, before Ray starts
+    assert f"remote_backend.comms.url={dead}: nothing answers there" in out.stderr.strip().splitlines()[-1]
+    assert "Started a local Ray instance" not in out.stdout + out.stderr
 
 
 def test_the_backend_can_launch_the_service_and_stops_it_at_the_end(tmp_path: Path) -> None:

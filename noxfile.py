@@ -39,7 +39,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def types(session: nox.Session) -> None:
     """mypy --strict on src/ (verl and Ray are untyped and not installed here)."""
-    session.install("mypy", "hydra-core>=1.3,<1.4", "omegaconf", "packaging")
+    session.install("mypy", "hydra-core>=1.3,<1.4", "omegaconf", "packaging", "types-PyYAML")
     session.install("safetensors", "httpx", "fastapi", "uvicorn")  # verl-arctic's typed dependencies
     session.run("mypy")
 

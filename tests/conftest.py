@@ -122,3 +122,38 @@ def arctic_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     """(url, generation) of a running test server, stopped after the test."""
     with serving_test_server(str(request.param)) as url:
         yield url, str(request.param)
+
+
+def processes_in(folder: Path) -> dict[int, str]:
+    """Processes whose working directory is ``folder`` or below, pid -> command line.
+
+    A run's driver, Ray's GCS, raylet and agents, and every Ray worker work in the folder the run was started
+    in, so this finds what is left of a run started in a test's own folder, and nothing of other runs.
+    """
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone, or not ours
+            continue
+        if cwd == folder or folder in cwd.parents:
+            found[int(entry.name)] = command
+    return found
+
+
+@pytest.fixture
+def ray_left_behind(tmp_path: Path) -> Any:
+    """A function: the processes of runs started in this test's folder still alive after a grace period."""
+
+    def left(grace_s: float = 20.0) -> dict[int, str]:
+        deadline = time.monotonic() + grace_s  # workers exit shortly after their raylet
+        while True:
+            found = processes_in(tmp_path)
+            if not found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
+    return left

@@ -8,6 +8,8 @@ import pytest
 
 from verl_remote.checkpoints import TRACKER, check, complete_steps, resume_target, seal
 
+pytestmark = pytest.mark.faults
+
 
 def _save(folder: Path, step: int, payload: bytes = b"weights", sealed: bool = True) -> Path:
     step_folder = folder / f"global_step_{step}"

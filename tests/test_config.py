@@ -92,6 +92,22 @@ def test_a_recipe_composes_and_command_line_overrides_win(tmp_path: Path) -> Non
     assert "recipe" in out.stderr and "does not exist" in out.stderr
 
 
+@pytest.mark.faults
+def test_a_malformed_recipe_is_named_with_its_line_not_a_parser_traceback(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("defaults:\n  - verl_remote\n  bad: [\n")
+    out = cli("train", "--recipe", str(recipe))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"verl-remote train: invalid config: recipe {recipe}, line 3, column 3: not valid YAML: "
+        "while parsing a block collection expected <block end>, but found '?'"
+    )
+    assert "Traceback" not in out.stderr
+    recipe.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must be a mapping of config keys, not a list"):
+        compose_config([], recipe=recipe)
+
+
 def test_a_group_file_must_name_its_backend(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("defaults:\n  - verl_remote\n  - _self_\n")

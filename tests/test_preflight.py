@@ -15,6 +15,8 @@ from verl_remote.compose import compose_config
 from verl_remote.preflight import PreflightError, check_model, check_resume, check_types, run_preflight
 from verl_remote.train import resolve_demo_assets
 
+pytestmark = pytest.mark.faults
+
 
 def _last_line(stderr: str) -> str:
     return stderr.strip().splitlines()[-1]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT, cli
+from verl_remote.watchdog import BOUND_S
 
 pytestmark = pytest.mark.train
 
@@ -50,32 +51,6 @@ def _calls(log: Path) -> list[str]:
     return [line.split(" pid=")[0] for line in log.read_text().splitlines()]
 
 
-def _ray_processes() -> dict[int, str]:
-    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server|ray::"], capture_output=True, text=True, check=False)
-    found = {}
-    for line in out.stdout.splitlines():
-        pid, _, command = line.partition(" ")
-        if "pgrep" not in command:
-            found[int(pid)] = command
-    return found
-
-
-@pytest.fixture
-def ray_left_behind() -> Callable[[], dict[int, str]]:
-    """Ray processes started since the test began that are still alive after a grace period."""
-    before = set(_ray_processes())
-
-    def left() -> dict[int, str]:
-        deadline = time.monotonic() + 20  # workers exit shortly after their raylet
-        while True:
-            new = {pid: cmd for pid, cmd in _ray_processes().items() if pid not in before}
-            if not new or time.monotonic() > deadline:
-                return new
-            time.sleep(0.5)
-
-    return left
-
-
 def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(tmp_path: Path, ray_left_behind: Any) -> None:
     out = _train(tmp_path, "trainer.total_training_steps=2", "trainer.logger=[console,file]")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -88,6 +63,16 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(tmp_path: Path, ray
     assert all("critic/score/mean" in r["data"] and "actor/grad_norm" in r["data"] for r in records)
     assert ray_left_behind() == {}
 
+    # The console: the step lines and a handful of ours; the full output of every process in the log file.
+    console = (out.stdout + out.stderr).splitlines()
+    assert all(line.startswith(("verl-remote", "step:")) for line in console), console
+    # (this environment also has the test suite's broken backends installed, which verl-remote names: 4 lines)
+    assert len(console) <= 2 + 4 + 4, console
+    logs = list((tmp_path / "ckpt" / "logs").glob("train-*.log"))
+    assert len(logs) == 1 and f"verl-remote: the full output goes to {logs[0]}" in out.stdout
+    log = logs[0].read_text()
+    assert log.count("\n") > 500 and "Started a local Ray instance" in log and "'actor_rollout_ref'" in log
+
 
 def test_save_then_resume_continues_at_the_next_step_with_the_saved_weights(tmp_path: Path) -> None:
     first = _train(tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=2")
@@ -96,12 +81,16 @@ def test_save_then_resume_continues_at_the_next_step_with_the_saved_weights(tmp_
     assert (step2 / "data.pt").is_file()
     saved = _checkpoint_checksum(step2 / "actor")
 
-    second = _train(tmp_path, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
+    second = _train(tmp_path, "--verbose", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
     assert second.returncode == 0, second.stderr[-3000:]
     assert _steps(second.stdout) == [3]
-    assert f"local engine: loaded {step2 / 'actor' / 'local_engine'} (weights sha256 {saved})" in second.stdout
+    assert "Started a local Ray instance" in second.stderr  # --verbose: every process's output on the console
+    assert (
+        f"verl-remote: local engine loaded {step2 / 'actor' / 'local_engine'} (weights sha256 {saved})" in second.stdout
+    )
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("stop", "code", "said"),
     [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
@@ -155,6 +144,7 @@ def test_ctrl_c_and_sigterm_destroy_the_backend_once_and_the_run_resumes_from_th
     ]
 
 
+@pytest.mark.faults
 def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backend(
     tmp_path: Path, ray_left_behind: Any
 ) -> None:
@@ -175,6 +165,36 @@ def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backen
     assert ray_left_behind() == {}
 
 
+@pytest.mark.faults
+def test_a_sampler_failure_stops_that_step_with_the_samplers_own_error(tmp_path: Path, ray_left_behind: Any) -> None:
+    """verl's agent loop logs a failed request and goes on; the run stops instead, in the backend's words."""
+    calls = tmp_path / "calls.txt"
+    out = _train(
+        tmp_path,
+        "remote_backend=faulty",
+        "remote_backend.fail_in=generate",
+        "remote_backend.fail_after_calls=64",  # the first step's requests succeed
+        f"remote_backend.calls_log={calls}",
+        "trainer.total_training_steps=4",
+    )
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    failed = re.fullmatch(
+        r"verl-remote train: the run failed: RolloutError: sampling failed at step (\d+): "
+        r"InjectedFailure: faulty backend: injected failure in generate \(and \d+ more failed requests\)",
+        last,
+    )
+    assert failed is not None, last
+    assert _steps(out.stdout) == list(range(1, int(failed.group(1))))
+    assert "replay buffer" not in out.stdout + out.stderr
+    # Each request's failure is logged by verl's agent loop: the console shows it once and counts the rest.
+    assert (out.stdout + out.stderr).count("injected failure in generate") == 2, out.stderr[-3000:]
+    assert re.search(r"verl-remote: \d+ more error lines like the ones above are in .*/logs/train-", out.stderr)
+    assert _calls(calls).count("destroy") == 1
+    assert ray_left_behind() == {}
+
+
+@pytest.mark.faults
 def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(
     tmp_path: Path, ray_left_behind: Any
 ) -> None:
@@ -205,6 +225,7 @@ def test_a_kl_penalty_gets_reference_log_probs_from_the_frozen_initial_model(tmp
     assert kl[0] == 0.0 and kl[1] > 0.0  # identical to the reference before the first update, not after
 
 
+@pytest.mark.faults
 def test_a_second_run_in_the_same_folder_is_refused_while_the_first_runs(tmp_path: Path, ray_left_behind: Any) -> None:
     script = str(Path(sys.executable).parent / "verl-remote")
     first_args = [script, "train", f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK]
@@ -230,6 +251,7 @@ def test_a_second_run_in_the_same_folder_is_refused_while_the_first_runs(tmp_pat
     assert ray_left_behind() == {}
 
 
+@pytest.mark.faults
 def test_a_damaged_latest_checkpoint_is_named_and_passed_over_for_the_previous_one(tmp_path: Path) -> None:
     first = _train(tmp_path, "trainer.total_training_steps=4", "trainer.save_freq=2")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -251,7 +273,10 @@ def test_a_damaged_latest_checkpoint_is_named_and_passed_over_for_the_previous_o
     assert f"(weights sha256 {saved})" in resumed.stdout
 
 
-def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
     calls = tmp_path / "calls.txt"
     args = ["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2"]
     script = str(Path(sys.executable).parent / "verl-remote")
@@ -264,6 +289,9 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
         time.sleep(0.5)
     proc.kill()  # SIGKILL in the middle of the step-4 save: the backend's part written, verl's not
     proc.wait(timeout=60)
+    killed_at = time.monotonic()
+    assert ray_left_behind() == {}  # the run's watchdog ends what Ray's own cleanup would leave for minutes
+    assert time.monotonic() - killed_at < BOUND_S + 2
     saved = _checkpoint_checksum(tmp_path / "ckpt" / "global_step_2" / "actor")
 
     calls.unlink()

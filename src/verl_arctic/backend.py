@@ -584,6 +584,7 @@ class ArcticBackend(RemoteBackend):
         if self._destroyed:
             return
         self._destroyed = True
+        left = []
         for job_type in ("training", "log_prob", "sampling"):
             job_id = self.jobs.get(job_type)
             if job_id is None:
@@ -591,9 +592,19 @@ class ArcticBackend(RemoteBackend):
             try:
                 await asyncio.to_thread(self.client.destroy, job_id, job_type)
             except ArcticError as exc:  # keep going: the other jobs still hold GPUs
+                if exc.status == 404:
+                    continue  # gone already (the server restarted)
+                left.append(job_type)
                 log.warning("verl-arctic: could not destroy %s job %d: %s", job_type, job_id, exc)
         if self.record is not None and os.path.exists(self.record):
-            os.unlink(self.record)
+            if left:  # the next run in this folder destroys them once the server answers again
+                log.warning(
+                    "verl-arctic: the %s job(s) stay recorded in %s; the next run in this folder destroys them",
+                    " and ".join(left),
+                    self.record,
+                )
+            else:
+                os.unlink(self.record)
         self.client.close()
         if self.server is not None:
             self.server.terminate()

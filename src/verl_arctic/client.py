@@ -120,10 +120,17 @@ class ArcticClient:
             kwargs["json"] = body
         return url, kwargs
 
-    def _decode(self, spec: Route, response: httpx.Response) -> Any:
-        if spec.response == "binary":
-            return wire.decode(self.encoding, response.content)
-        return response.json()
+    def _decode(self, operation: str, spec: Route, url: str, response: httpx.Response) -> Any:
+        try:
+            if spec.response == "binary":
+                return wire.decode(self.encoding, response.content)
+            return response.json()
+        except (ValueError, wire.WireError) as exc:  # JSONDecodeError is a ValueError
+            raise ArcticError(
+                f"Arctic call {operation} ({spec.method} {url}) answered HTTP {response.status_code} with a body "
+                f"that is not Arctic's {spec.response} answer ({describe_answer(response)}): {exc}",
+                status=response.status_code,
+            ) from exc
 
     def _fail(self, operation: str, spec: Route, url: str, response: httpx.Response) -> ArcticError:
         return ArcticError(
@@ -149,7 +156,7 @@ class ArcticClient:
                 )
             else:
                 if response.is_success:
-                    return self._decode(spec, response)
+                    return self._decode(operation, spec, url, response)
                 if not spec.idempotent or response.status_code < 500:
                     raise self._fail(operation, spec, url, response)
                 error = self._fail(operation, spec, url, response)
@@ -168,7 +175,7 @@ class ArcticClient:
                 raise ArcticError(f"Arctic call generate ({spec.method} {url}) failed: {exc}") from exc
         if not response.is_success:
             raise self._fail("generate", spec, url, response)
-        result: dict[str, Any] = self._decode(spec, response)
+        result: dict[str, Any] = self._decode("generate", spec, url, response)
         return result
 
     # -- the protocol --------------------------------------------------------------------------

@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from verl_remote import __version__
 from verl_remote.errors import BackendError
+
+if TYPE_CHECKING:
+    from verl_remote.console import Console
 
 __all__ = ["main"]
 
@@ -54,6 +58,17 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from verl_remote.console import run_console
+
+    # First, so that what importing verl and Ray prints is sorted too.
+    with run_console(args.verbose) as console:
+        return _train(args, console)
+
+
+def _train(args: argparse.Namespace, console: Console) -> int:
+    import time
+    from pathlib import Path
+
     from verl_remote.compose import compose_config
     from verl_remote.preflight import run_preflight
     from verl_remote.registry import load_backend_class
@@ -64,27 +79,54 @@ def _cmd_train(args: argparse.Namespace) -> int:
     defaults = compose_config([f"remote_backend={name}"], recipe=args.recipe)
     for note in run_preflight(config, defaults, load_backend_class(name).preflight):
         print(f"verl-remote: {note}", flush=True)
-    print(
-        f"verl-remote: training with backend '{config.remote_backend.name}' for "
-        f"{config.trainer.total_training_steps} steps (model {config.actor_rollout_ref.model.path})",
-        flush=True,
-    )
-    with hold_run_folder(str(config.trainer.default_local_dir)):  # another run there: exit 2
+    folder = str(config.trainer.default_local_dir)
+    with hold_run_folder(folder):  # another run there: exit 2
+        console.open_log(Path(folder) / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log")
+        print(
+            f"verl-remote: training with backend '{config.remote_backend.name}' for "
+            f"{config.trainer.total_training_steps} steps (model {config.actor_rollout_ref.model.path})",
+            flush=True,
+        )
+        if not console.verbose:
+            print(f"verl-remote: the full output goes to {console.log_path} (--verbose shows it here)", flush=True)
         try:
             summary = run(config)
         except KeyboardInterrupt:
+            _report_end(console, config)
             print("verl-remote train: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
         except Terminated:
+            _report_end(console, config)
             print("verl-remote train: terminated by SIGTERM", file=sys.stderr)
             return EXIT_TERMINATED
         except Exception as exc:
             if args.traceback:
                 raise
+            _report_end(console, config)
+            print(f"verl-remote: the full output of this run is in {console.log_path}", file=sys.stderr)
             print(f"verl-remote train: the run failed: {_root_cause(exc)}", file=sys.stderr)
             return EXIT_FAILED
     print(summary.line(), flush=True)
     return 0
+
+
+def _report_end(console: Console, config: Any) -> None:
+    """Before the last line of a run that did not finish: what was not shown, and where it can resume."""
+    from verl_remote.checkpoints import complete_steps
+
+    if console.repeated_errors:
+        print(
+            f"verl-remote: {console.repeated_errors} more error lines like the ones above are in {console.log_path}",
+            file=sys.stderr,
+        )
+    folder = str(config.trainer.default_local_dir)
+    steps = complete_steps(folder)
+    if steps:
+        how = "the same command" if str(config.trainer.resume_mode) == "auto" else "trainer.resume_mode=auto"
+        print(
+            f"verl-remote: the last complete checkpoint is {folder}/global_step_{steps[0]}; {how} resumes from it",
+            file=sys.stderr,
+        )
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -156,9 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="train with verl on a backend (no arguments: the CPU demo)",
         description="Run verl's PPO/GRPO trainer with the selected backend (remote_backend=<name>, default local). "
         "Takes every verl override. With no overrides it runs the demo: a tiny model, tokenizer and data set made "
-        "locally on first use, GRPO, about 3 minutes on a laptop CPU. Ctrl-C stops the run and destroys the backend.",
+        "locally on first use, GRPO, about 3 minutes on a laptop CPU. Ctrl-C stops the run and destroys the backend. "
+        "The console shows verl-remote's lines, verl's metrics line per step and errors; the full output of every "
+        "process goes to <trainer.default_local_dir>/logs/.",
     )
     _add_config_arguments(p)
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the output of every process of the run on the console (also: VERL_REMOTE_VERBOSE=1)",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = commands.add_parser(

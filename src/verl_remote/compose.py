@@ -52,6 +52,23 @@ def selected_backend(config: DictConfig) -> str | None:
     return str(name) if name is not None else None
 
 
+def _check_yaml(path: Path) -> None:
+    """A recipe that is not YAML: the file, the line and the parser's reason, not the parser's traceback."""
+    import yaml
+
+    try:
+        document = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(part for part in (exc.context, exc.problem) if part)
+        raise ConfigError(f"recipe {path}{where}: not valid YAML: {problem}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"recipe {path}: not valid YAML: {exc}") from None
+    if document is not None and not isinstance(document, dict):
+        raise ConfigError(f"recipe {path}: must be a mapping of config keys, not a {type(document).__name__}")
+
+
 def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = None) -> DictConfig:
     """Compose the run config from overrides and an optional recipe file.
 
@@ -78,6 +95,7 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
             raise ConfigError(f"recipe {str(recipe)!r} does not exist")
         if path.suffix not in (".yaml", ".yml"):
             raise ConfigError(f"recipe {str(recipe)!r} is not a .yaml file")
+        _check_yaml(path)
         context = initialize_config_dir(config_dir=str(path.parent), version_base=None)
         config_name = path.stem
     overrides = [f"hydra.searchpath=[{','.join(_SEARCH_PATH)}]", *overrides]

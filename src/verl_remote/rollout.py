@@ -23,7 +23,7 @@ from verl_remote.backend import RemoteBackend
 from verl_remote.registry import load_backend_class
 from verl_remote.worker import backend_context
 
-__all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult"]
+__all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult", "describe_failure"]
 
 
 @dataclass
@@ -46,6 +46,7 @@ class RemoteRolloutServer:
         main_config = OmegaConf.merge(shared, {"actor_rollout_ref": {"model": model_config}})
         self.backend: RemoteBackend = load_backend_class(name).from_config(main_config, handle=handle)
         self.global_steps = 0
+        self.failures: list[str] = []
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_config.path))
@@ -56,6 +57,11 @@ class RemoteRolloutServer:
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = int(global_steps)
+
+    async def take_failures(self) -> list[str]:
+        """The failed requests since the last call, one line each, oldest first."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
         """verl's token budget: the response length, capped by prompt+response and the model length."""
@@ -81,7 +87,13 @@ class RemoteRolloutServer:
         if image_data or video_data:
             raise ValueError("verl-remote's rollout replica serves text prompts only")
         prompt_ids = [int(t) for t in prompt_ids]
-        result = await self.sample(prompt_ids, self.max_tokens(len(prompt_ids), sampling_params), sampling_params)
+        try:
+            result = await self.sample(prompt_ids, self.max_tokens(len(prompt_ids), sampling_params), sampling_params)
+        except Exception as exc:
+            # verl's agent loop logs the exception and counts the prompt as failed; the trainer asks for the
+            # failures after sampling and stops the step with the backend's own words (take_failures).
+            self.failures.append(describe_failure(exc))
+            raise
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs,
@@ -138,6 +150,12 @@ class RemoteRolloutReplica(RolloutReplica):
         self.servers = [server]
         self._server_handle = server
         self._server_address = f"verl-remote://replica/{self.replica_rank}{self.name_suffix}"
+
+
+def describe_failure(exc: BaseException) -> str:
+    """An exception as one line: its type and message, whitespace folded."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,7 +50,6 @@ def hold_run_folder(folder: str) -> Iterator[None]:
     drops the lock of a killed process), so a crashed run never blocks the next one.
     """
     import fcntl
-    import time
 
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK_FILE)
@@ -83,6 +83,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 _TERMINATED = False
+LOG_DRAIN_S = 1.5
 
 
 @dataclass
@@ -194,9 +195,19 @@ def _ray_init(config: DictConfig) -> None:
 
 def run(config: DictConfig) -> RunSummary:
     """Run training to the end; the backend is destroyed on every way out."""
-    import ray
-
     from verl_remote.trainer import RemoteTaskRunner
+    from verl_remote.watchdog import start_watchdog
+
+    # Ends what is left of the run once this process is gone, however it goes (SIGKILL included).
+    watchdog = start_watchdog()
+    try:
+        return _run(config, RemoteTaskRunner)
+    finally:
+        os.close(watchdog)
+
+
+def _run(config: DictConfig, task_runner: Any) -> RunSummary:
+    import ray
 
     _ray_init(config)
     # After Ray's own handler (which exits mid-call and crashes in Ray's C++ teardown): SIGTERM stops the
@@ -206,7 +217,7 @@ def run(config: DictConfig) -> RunSummary:
     # however it was started.
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
+        runner = task_runner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
         result = runner.run.remote(config)
         try:
             summary: RunSummary = ray.get(result)
@@ -225,6 +236,9 @@ def run(config: DictConfig) -> RunSummary:
                 raise Terminated(signal.SIGTERM) from None
             raise
     finally:
+        # Ray forwards the workers' output a moment after they write it: their last lines (the backend's
+        # shutdown) would be lost to a shutdown right away.
+        time.sleep(LOG_DRAIN_S)
         ray.shutdown()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_interrupt)

@@ -51,7 +51,15 @@ from verl_remote.registry import load_backend_class, load_rollout_class, load_wo
 from verl_remote.train import RunSummary
 from verl_remote.worker import CUSTOM_KEY
 
-__all__ = ["CUSTOM_KEY", "MODE", "ROLLOUT_NAME", "RemotePPOTrainer", "RemoteTaskRunner", "SingleForwarderError"]
+__all__ = [
+    "CUSTOM_KEY",
+    "MODE",
+    "ROLLOUT_NAME",
+    "RemotePPOTrainer",
+    "RemoteTaskRunner",
+    "RolloutError",
+    "SingleForwarderError",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +70,10 @@ ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
 SHARED_SECTIONS = ("remote_backend", "data", "trainer", "algorithm")
 # The per-step metric the run summary reports (verl's mean sequence score).
 REWARD_METRIC = "critic/score/mean"
+
+
+class RolloutError(RuntimeError):
+    """The backend's sampler failed requests of a step: the step stops with the sampler's own error."""
 
 
 class SingleForwarderError(ValueError):
@@ -154,6 +166,42 @@ class RemotePPOTrainer(PPOTrainerSync):
             if choice.note:
                 log.warning("verl-remote: %s", choice.note)
         return super()._load_checkpoint()
+
+    def _check_rollouts(self, what: str, cause: BaseException | None = None) -> None:
+        """Stop with the sampler's first error when any request failed since the last check.
+
+        verl's agent loop logs a failed request and counts its prompt as failed; the step then trains on the
+        rest, padded, or verl's replay buffer stops with its own words. A backend's sampler that fails is a
+        fault of the run: it stops here, naming the backend's error.
+        """
+        servers = [server for replica in self.llm_server_manager.get_replicas() for server in replica.servers]
+        failures = [line for lines in ray.get([s.take_failures.remote() for s in servers]) for line in lines]
+        if not failures:
+            return
+        more = f" (and {len(failures) - 1} more failed requests)" if len(failures) > 1 else ""
+        raise RolloutError(f"sampling failed {what}: {failures[0]}{more}") from cause
+
+    def _step_once(self, metrics: dict[str, Any], timing_raw: dict[str, Any], sample_batch_size: int) -> Any:
+        try:
+            return super()._step_once(metrics, timing_raw, sample_batch_size)
+        except RolloutError:
+            raise
+        except Exception as exc:  # e.g. verl's replay buffer finding only failed prompts
+            self._check_rollouts(f"at step {self.global_steps}", exc)
+            raise
+
+    def on_sample_end(self) -> None:
+        self._check_rollouts(f"at step {self.global_steps}")
+        super().on_sample_end()
+
+    def _validate(self) -> Any:
+        try:
+            result = super()._validate()
+        except Exception as exc:
+            self._check_rollouts("during validation", exc)
+            raise
+        self._check_rollouts("during validation")
+        return result
 
     def _publish_weights_version(self) -> None:
         """Tell every rollout server which training step its weights come from."""

@@ -8,12 +8,15 @@ like a real Arctic service; the CLI reaches it only through
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,9 +35,9 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
 
 
 @contextmanager
-def _serving(generation: str, tmp_path: Path, *flags: str) -> Iterator[str]:
-    port = free_port()
-    log = (tmp_path / "server.log").open("w")
+def _serving(generation: str, tmp_path: Path, *flags: str, port: int | None = None) -> Iterator[str]:
+    port = port or free_port()
+    log = (tmp_path / "server.log").open("a")
     proc = subprocess.Popen(
         [sys.executable, "-m", "verl_arctic.testing.server", "--port", str(port), "--api", generation, *flags],
         stdout=log,
@@ -56,6 +59,24 @@ def _serving(generation: str, tmp_path: Path, *flags: str) -> Iterator[str]:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def _start(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
+    """verl-remote train in the background, its console merged into one stream to read step by step."""
+    script = str(Path(sys.executable).parent / "verl-remote")
+    args = ["train", "remote_backend=arctic", f"remote_backend.comms.url={url}", *QUICK]
+    args += [f"trainer.default_local_dir={tmp_path / 'ckpt'}", *overrides]
+    return subprocess.Popen([script, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str) -> list[str]:
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            return seen
+    raise AssertionError(f"the run ended before {marker!r}:\n" + "".join(seen[-40:]))
 
 
 def _jobs(url: str) -> dict[str, object]:
@@ -100,6 +121,7 @@ def test_resume_from_an_arctic_checkpoint(server: tuple[str, str], tmp_path: Pat
     assert _jobs(url) == {}
 
 
+@pytest.mark.faults
 def test_a_server_error_names_the_call_and_the_server_and_the_run_destroys_its_jobs(
     server: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -113,6 +135,7 @@ def test_a_server_error_names_the_call_and_the_server_and_the_run_destroys_its_j
     assert _jobs(url) == {}
 
 
+@pytest.mark.faults
 def test_an_unreachable_server_fails_before_anything_is_created(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     out = _train(tmp_path, dead, "trainer.total_training_steps=1")
@@ -153,6 +176,7 @@ def test_a_kl_penalty_gets_reference_log_probs_from_the_log_prob_job(server: tup
     assert _jobs(url) == {}
 
 
+@pytest.mark.faults
 def test_a_sampler_without_log_probs_fails_the_step_in_its_own_words_or_trains_without_them(tmp_path: Path) -> None:
     (tmp_path / "asked").mkdir()
     (tmp_path / "without").mkdir()
@@ -175,7 +199,65 @@ def test_a_sampler_without_log_probs_fails_the_step_in_its_own_words_or_trains_w
         assert "training/rollout_probs_diff_max" not in without.stdout
 
 
-def test_after_the_driver_is_killed_the_next_run_removes_its_jobs_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.faults
+def test_sigterm_destroys_the_runs_jobs_and_the_same_command_resumes(tmp_path: Path, ray_left_behind: Any) -> None:
+    """What kill, systemd, schedulers and `ray job stop` send: the jobs go, the checkpoint stays."""
+    with _serving("main", tmp_path) as url:
+        run = ["trainer.total_training_steps=4", "trainer.save_freq=2"]
+        proc = _start(tmp_path, url, *run)
+        _read_until(proc, "step:2 ")
+        assert _jobs(url) != {}
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 143, rest[-3000:]
+        assert rest.strip().splitlines()[-1] == "verl-remote train: terminated by SIGTERM"
+        assert _jobs(url) == {}  # destroyed on the way out, before Ray went down
+        assert ray_left_behind() == {}
+
+        resumed = _train(tmp_path, url, *run)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert _steps(resumed.stdout) == [3, 4]
+        assert "left by a run that did not end cleanly" not in resumed.stderr
+        assert _jobs(url) == {}
+
+
+@pytest.mark.faults
+def test_a_server_killed_mid_run_stops_that_step_in_arctics_words_and_the_run_resumes_once_it_is_back(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
+    port = free_port()
+    run = ["trainer.total_training_steps=20", "trainer.save_freq=2"]
+    with _serving("main", tmp_path, port=port) as url:
+        proc = _start(tmp_path, url, *run)
+        _read_until(proc, "step:2 ")
+        server = subprocess.run(
+            ["pgrep", "-f", f"verl_arctic.testing.server --port {port}"], capture_output=True, text=True
+        )
+        for pid in server.stdout.split():
+            os.kill(int(pid), signal.SIGKILL)  # the service dies, as a crashed or preempted node does
+        killed_at = time.monotonic()
+        rest, _ = proc.communicate(timeout=600)
+    failed_after = time.monotonic() - killed_at
+    last = rest.strip().splitlines()[-1]
+    assert proc.returncode == 1, rest[-3000:]
+    # One line: the step, the call, the URL and what the connection said; not verl's replay buffer.
+    assert last.startswith("verl-remote train: the run failed: "), last
+    assert "Arctic call " in last and f"{url}/" in last and ("step 3" in last or "step" not in last), last
+    assert "replay buffer" not in rest
+    assert failed_after < 120, failed_after
+    assert ray_left_behind() == {}
+
+    with _serving("main", tmp_path, port=port) as url:  # the service is back (empty, as after a restart)
+        resumed = _train(tmp_path, url, "trainer.total_training_steps=4", "trainer.save_freq=2")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert _steps(resumed.stdout) == [3, 4]
+        assert _jobs(url) == {}
+
+
+@pytest.mark.faults
+def test_after_the_driver_is_killed_the_next_run_removes_its_jobs_and_resumes(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
     """SIGKILL leaves no chance to clean up: the dead run's jobs stay on the service, recorded in its folder."""
     with _serving("main", tmp_path) as url:
         script = str(Path(sys.executable).parent / "verl-remote")
@@ -191,6 +273,7 @@ def test_after_the_driver_is_killed_the_next_run_removes_its_jobs_and_resumes(tm
                 break
         proc.kill()
         proc.wait(timeout=60)
+        assert ray_left_behind() == {}  # the run's watchdog ended its Ray processes
         left = json.loads((ckpt / "arctic_jobs.json").read_text())
         assert set(_jobs(url)) == {str(job) for job in left["jobs"].values()}  # still held on the service
 

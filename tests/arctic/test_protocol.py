@@ -213,3 +213,41 @@ def test_the_replica_names_a_generate_answer_without_the_asked_log_probs() -> No
     with pytest.raises(ValueError, match="without the log-prob of sampled token 5 at position 1"):
         sampled_log_probs(answer | {"logprobs": [{"5": {"logprob": -0.5}}, {"9": {"logprob": -1.0}}]}, [5, 5], "u")
     assert sampled_log_probs(answer | {"logprobs": [{"5": {"logprob": -0.5}}] * 2}, [5, 5], "u") == [-0.5, -0.5]
+
+
+def test_a_success_whose_body_is_not_arctics_names_the_call_and_what_came(tmp_path: Path) -> None:
+    """A proxy or another service at the address answers 200 with a page: said so, never a decoder's traceback."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            body = b"<html><body>Sign in to the proxy</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer  # the stdlib's names
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        client = ArcticClient(url, "main", retries=0)
+        with pytest.raises(ArcticError) as binary:
+            client.forward_backward(1, update_payload(2, 0))
+        assert str(binary.value).startswith(
+            f"Arctic call forward_backward (POST {url}/forward-backward?job_id=1) answered HTTP 200 with a body "
+            "that is not Arctic's binary answer (<html><body>Sign in to the proxy</body></html> (text/html, not "
+            "Arctic's JSON)): "
+        )
+        with pytest.raises(ArcticError, match=r"Arctic call health \(GET .*/health\) answered HTTP 200 with a body"):
+            client.health()
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -289,7 +289,7 @@ class LocalEngine:
         self.weights_version = int(state["weights_version"])
         self.optimizer_steps = int(state["optimizer_steps"])
         torch.set_rng_state(state["torch_rng"])
-        print(f"local engine: loaded {path} (weights sha256 {self.weights_checksum()})", flush=True)
+        print(f"verl-remote: local engine loaded {path} (weights sha256 {self.weights_checksum()})", flush=True)
 
     def device_name(self) -> str:
         """The device's name as verl's FLOPs table knows it ("CPU", or the CUDA device name)."""

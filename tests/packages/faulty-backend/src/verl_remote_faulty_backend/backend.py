@@ -32,6 +32,13 @@ class FaultyBackend(LocalBackend):
         self._maybe_fail("forward_backward")
         return super().forward_backward(batch, meta)
 
+    async def generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any]) -> Any:
+        # In the rollout server's process: its sampler, failing from the given call on.
+        self._generate_calls = getattr(self, "_generate_calls", 0) + 1
+        if self._generate_calls > int(self.settings.get("fail_after_calls") or 0):
+            self._maybe_fail("generate")
+        return await super().generate(prompt_ids, max_tokens, params)
+
     def _record(self, call: str) -> None:
         log = self.settings.get("calls_log")
         if log:

@@ -1,0 +1,242 @@
+"""What ``verl-remote train`` prints: the run's own lines on the console, everything in a log file.
+
+A run prints thousands of lines, most of them the same warnings from every process (accelerator probes,
+engines that are not installed, thread counts) and verl's config dump. Every process's output reaches the
+driver: Ray forwards each worker's stdout and stderr to the driver's ``sys.stdout`` and ``sys.stderr``, line by
+line, with the worker's name in front. :class:`Console` replaces those two streams for the run and sorts each
+line:
+
+- to the console: lines of verl-remote and its backends (``verl-remote...:``, ``verl-<name>:``), verl's
+  per-step metrics line (``step:N - ...``), the progress bar (in place, on a terminal), and every line that
+  reports an error (a logging level of ERROR or CRITICAL, a native ``E``/``F`` log line, an exception's
+  ``SomeError: message`` line, a killed worker); an error line that repeats one already shown (numbers and ids
+  aside) is counted instead, so that a failure in every request is shown once;
+- everything, as it came (without colours), to the run's log file.
+
+Native writes to the file descriptors (Ray's C++ core) are not Python writes and reach the console as they
+are. ``verbose`` shows every line on the console as well.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+__all__ = ["VERBOSE_ENV", "Console", "is_error", "shown"]
+
+#: Set to 1 to print every line of a run on the console (as ``--verbose``).
+VERBOSE_ENV = "VERL_REMOTE_VERBOSE"
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Ray's prefix of a forwarded line: "(Name pid=123)", "(pid=123)", "(Name pid=123, ip=10.0.0.1)", "(raylet)".
+_RAY_PREFIX = re.compile(r"^\((?:[\w.]+ )?(?:pid=\d+(?:, ip=[\d.]+)?|raylet|gcs_server|autoscaler[^)]*)\) ")
+_OURS = re.compile(r"(?:^|[\s:])verl-[a-z][\w-]*(?: [a-z]+)?: ")
+_STEP = re.compile(r"(?:^|\s)step:\d+ - ")
+_PROGRESS = re.compile(r"^Training Progress:")
+_ERROR = re.compile(
+    r"\b(?:ERROR|CRITICAL|FATAL)\b"  # Python logging, verl's and Ray's formats
+    r"|^[EF]\d{4} \d\d:\d\d:\d\d"  # glog (torch, Ray's C++ core): E1130 12:15:54.438 ...
+    r"|^\[[^\]]* [EF] \d+ \d+\]"  # Ray's C++ log format: [2026-11-30 12:00:00,000 E 123 456] ...
+    r"|^(?:[\w.]+\.)?\w*(?:Error|Exception|Failure|Exit)(?:\([\w.]*\))?(?::|$)"  # an exception's last line
+    r"|(?i:\bkilled\b|\bout of memory\b)|\bOOM\b"
+)
+# What varies between repeats of one error: numbers, hex ids, uuids.
+_VARYING = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|0x[0-9a-f]+|[0-9a-f]*\d[0-9a-f]*")
+
+
+def _strip(line: str) -> tuple[str, str]:
+    """(the line without colours, the same without Ray's process prefix)."""
+    plain = _ANSI.sub("", line)
+    return plain, _RAY_PREFIX.sub("", plain, count=1)
+
+
+def is_error(text: str) -> bool:
+    """Whether a line (without Ray's prefix) reports an error."""
+    return bool(_ERROR.search(text))
+
+
+def shown(text: str) -> bool:
+    """Whether a line (without Ray's prefix) belongs on the console."""
+    return bool(_OURS.search(text) or _STEP.search(text) or _PROGRESS.search(text) or is_error(text))
+
+
+class _Stream(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` for the run: whole lines go to the :class:`Console`."""
+
+    def __init__(self, console: Console, original: IO[str], name: str) -> None:
+        self._console = console
+        self._original = original
+        self._name = name
+        self._partial = ""
+
+    # What callers ask of a standard stream.
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._original, "encoding", "utf-8")
+
+    def fileno(self) -> int:
+        return self._original.fileno()
+
+    def isatty(self) -> bool:
+        return self._original.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not self._console.active:
+            return self._original.write(text)
+        with self._console.lock:
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()
+            for line in lines:
+                self._console.line(line, self)
+        return len(text)
+
+    def flush(self) -> None:
+        self._original.flush()
+
+    def drain(self) -> None:
+        if self._partial:
+            partial, self._partial = self._partial, ""
+            self._console.line(partial, self)
+
+
+class Console:
+    """Sorts a run's output between the console and its log file (see the module's docstring).
+
+    Until :meth:`open_log` names the file, log lines are kept in memory; a command that ends before then
+    (a refused config) leaves no file.
+    """
+
+    def __init__(self, *, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self.active = False
+        self.lock = threading.RLock()
+        self.log_path: Path | None = None
+        self._log: IO[str] | None = None
+        self._pending: list[str] = []
+        self._seen_errors: set[str] = set()
+        self._seen_ours: set[str] = set()
+        self.repeated_errors = 0
+        self._progress = ""  # the progress bar drawn in place on a terminal, if any
+        self._streams: tuple[_Stream, _Stream] | None = None
+
+    # -- the run's streams ---------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Replace ``sys.stdout`` and ``sys.stderr``; lines are sorted until :meth:`uninstall`."""
+        out = _Stream(self, sys.stdout, "stdout")
+        err = _Stream(self, sys.stderr, "stderr")
+        self._streams = (out, err)
+        sys.stdout, sys.stderr = out, err
+        self.active = True
+
+    def uninstall(self) -> None:
+        """Back to the original streams. A handler that kept a reference to ours writes through to them."""
+        if self._streams is None:
+            return
+        with self.lock:
+            for stream in self._streams:
+                stream.drain()
+            self._end_progress()
+            self.active = False
+            out, err = self._streams
+            sys.stdout, sys.stderr = out._original, err._original
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+        for stream in self._streams:
+            stream._original.flush()
+
+    def open_log(self, path: Path) -> None:
+        """Start writing the log file (appending), with what was printed so far."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            self._log = path.open("a", encoding="utf-8", errors="replace")
+            self.log_path = path
+            for line in self._pending:
+                self._log.write(line + "\n")
+            self._pending.clear()
+            self._log.flush()
+
+    # -- sorting -------------------------------------------------------------------------------
+
+    def line(self, line: str, stream: _Stream) -> None:
+        plain, text = _strip(line.rstrip("\r"))
+        # tqdm redraws with carriage returns; the last drawing is the line's state.
+        text = text.rsplit("\r", 1)[-1]
+        plain = plain.rsplit("\r", 1)[-1] if "\r" in plain else plain
+        self._to_log(plain)
+        if self.verbose:
+            self._to_console(line.rstrip("\r"), stream)
+            return
+        if _PROGRESS.search(text):
+            if stream.isatty():
+                self._draw_progress(text, stream)
+            return
+        ours = _OURS.search(text)
+        if ours:
+            # Every process that imports the same code says the same thing: once is enough.
+            text = text[ours.start() :].lstrip(" :")
+            if text not in self._seen_ours:
+                self._seen_ours.add(text)
+                self._to_console(text, stream)
+        elif _STEP.search(text):
+            self._to_console(text, stream)
+        elif is_error(text):
+            key = _VARYING.sub("#", text.lower())
+            if key in self._seen_errors:
+                self.repeated_errors += 1
+                return
+            self._seen_errors.add(key)
+            self._to_console(plain, stream)
+
+    def _to_log(self, plain: str) -> None:
+        stamped = f"{time.strftime('%H:%M:%S')} {plain}"
+        if self._log is None:
+            self._pending.append(stamped)
+        else:
+            self._log.write(stamped + "\n")
+            self._log.flush()
+
+    def _to_console(self, text: str, stream: _Stream) -> None:
+        original = stream._original
+        if self._progress:
+            original.write("\r\x1b[K")
+        original.write(text + "\n")
+        if self._progress:
+            original.write(self._progress)
+        original.flush()
+
+    def _draw_progress(self, text: str, stream: _Stream) -> None:
+        self._progress = text
+        stream._original.write("\r\x1b[K" + text)
+        stream._original.flush()
+
+    def _end_progress(self) -> None:
+        if self._progress and self._streams is not None:
+            self._streams[1]._original.write("\n")
+            self._progress = ""
+
+
+@contextmanager
+def run_console(verbose: bool) -> Iterator[Console]:
+    """A :class:`Console` installed for the duration of the block; removed on every way out."""
+    console = Console(verbose=verbose or os.environ.get(VERBOSE_ENV, "") not in ("", "0"))
+    if not console.verbose:
+        # One line per line in the log; the console shows each error once by itself.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    console.install()
+    try:
+        yield console
+    finally:
+        console.uninstall()

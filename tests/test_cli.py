@@ -34,11 +34,15 @@ def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one() 
         "pkg://verl_remote_echo_backend/remote_backend/echo.yaml",
         "ok",
     ]
-    for name in ("broken", "mismatch", "notaspec", "badclass", "notremote", "nogroup"):
+    for name in ("broken", "mismatch", "notaspec", "badclass", "notremote", "nogroup", "noname"):
         assert "verl-remote-broken-backend 0.2.0" in rows[name]
         assert "error: backend '" + name + "'" in rows[name]
     assert "ModuleNotFoundError: No module named 'verl_remote_no_such_dependency'" in rows["broken"]
     assert "has no remote_backend/nogroup.yaml" in rows["nogroup"]
+    assert (
+        "remote_backend/noname.yaml in 'verl_remote_broken_backend' must set 'name: noname' (it sets None)"
+        in rows["noname"]
+    )
     twins = [line for line in lines if line.startswith("twin")]
     assert len(twins) == 2 and all("registered by 2 distributions" in line for line in twins)
 
@@ -64,12 +68,12 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
     ]
     for prefix in expected_ok:
         assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
-    for name in ("broken", "mismatch", "notaspec", "badclass", "notremote", "nogroup"):
+    for name in ("broken", "mismatch", "notaspec", "badclass", "notremote", "nogroup", "noname"):
         for where in ("", "Ray worker: "):
             prefix = f"[FAIL] {where}backend {name} (verl-remote-broken-backend 0.2.0) loads: backend '{name}'"
             assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
     # 4 environment checks, 3 for each of arctic, echo, local and faulty; 2 for each broken registration.
-    assert lines[-1] == "doctor: 16 checks passed, 16 failed"
+    assert lines[-1] == "doctor: 16 checks passed, 18 failed"
 
 
 @pytest.mark.parametrize(

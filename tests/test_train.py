@@ -226,11 +226,13 @@ def test_a_kl_penalty_gets_reference_log_probs_from_the_frozen_initial_model(tmp
 
 
 @pytest.mark.faults
-def test_a_second_run_in_the_same_folder_is_refused_while_the_first_runs(tmp_path: Path, ray_left_behind: Any) -> None:
+def test_a_second_run_in_the_same_folder_is_refused_and_one_in_another_folder_runs_beside_it(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
     script = str(Path(sys.executable).parent / "verl-remote")
     first_args = [script, "train", f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK]
     first = subprocess.Popen(
-        [*first_args, "trainer.total_training_steps=3"],
+        [*first_args, "trainer.total_training_steps=6"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -246,8 +248,16 @@ def test_a_second_run_in_the_same_folder_is_refused_while_the_first_runs(tmp_pat
         f"trainer.default_local_dir={tmp_path / 'ckpt'}: another verl-remote run (pid {first.pid}, since "
         in (second.stderr.strip().splitlines()[-1])
     )
-    first.send_signal(signal.SIGINT)
-    first.communicate(timeout=300)
+    # Two runs at once in different folders: their own Ray instances, names and ports; neither disturbs the other.
+    other = tmp_path / "other"
+    other.mkdir()
+    assert first.poll() is None
+    beside = _train(other, "trainer.total_training_steps=1")
+    assert beside.returncode == 0, beside.stderr[-3000:]
+    assert _steps(beside.stdout) == [1]
+    rest, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, rest[-3000:]
+    assert _steps(rest) == [1, 2, 3, 4, 5, 6]
     assert ray_left_behind() == {}
 
 

@@ -61,8 +61,12 @@ class RemoteBackend(abc.ABC):
         """Build the backend, or re-attach to a running one.
 
         Args:
-            main_config: the whole composed run config (an OmegaConf ``DictConfig``);
-                the backend's own settings are under ``main_config.remote_backend``.
+            main_config: the run config (an OmegaConf ``DictConfig``); the backend's
+                own settings are under ``main_config.remote_backend``. On the driver
+                (``handle=None``) it is the whole composed config; in a forwarder or a
+                rollout server it holds the sections ``remote_backend``, ``data``,
+                ``trainer``, ``algorithm`` and ``actor_rollout_ref`` (the rollout
+                server's ``actor_rollout_ref`` has only ``model``), resolved.
             handle: ``None`` on the driver, which creates the backend (connects to
                 or starts the service, creates its jobs). In a Ray worker, the dict
                 returned by :meth:`reconnect_handle` on the driver: attach to that

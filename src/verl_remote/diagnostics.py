@@ -41,8 +41,19 @@ def config_group_error(spec: BackendSpec) -> str | None:
         root = importlib.resources.files(spec.config_package)
     except Exception as exc:  # the package itself is missing or fails to import
         return f"config_package '{spec.config_package}' cannot be imported: {type(exc).__name__}: {exc}"
-    if not root.joinpath(spec.config_file).is_file():
+    group = root.joinpath(spec.config_file)
+    if not group.is_file():
         return f"config_package '{spec.config_package}' has no {spec.config_file}"
+    import yaml
+
+    try:
+        settings = yaml.safe_load(group.read_text())
+    except yaml.YAMLError as exc:
+        return f"{spec.config_file} in '{spec.config_package}' is not valid YAML: {' '.join(str(exc).split())}"
+    name = settings.get("name") if isinstance(settings, dict) else None
+    if name != spec.name:
+        # config and train refuse it too (compose.py): the group selects the backend by this name.
+        return f"{spec.config_file} in '{spec.config_package}' must set 'name: {spec.name}' (it sets {name!r})"
     return None
 
 

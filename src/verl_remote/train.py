@@ -8,6 +8,7 @@ returns the run's reward history for the final summary line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -238,7 +239,8 @@ def _run(config: DictConfig, task_runner: Any) -> RunSummary:
     finally:
         # Ray forwards the workers' output a moment after they write it: their last lines (the backend's
         # shutdown) would be lost to a shutdown right away.
-        time.sleep(LOG_DRAIN_S)
+        with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C now must not skip the shutdown
+            time.sleep(LOG_DRAIN_S)
         ray.shutdown()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_interrupt)

@@ -345,16 +345,22 @@ def check_server_size(client: ArcticClient, settings: dict[str, Any]) -> None:
             )
 
 
-def _port_free(port: int) -> bool:
+def require_free_port(url: str) -> None:
+    """The port of ``url`` must be free for a launched service: otherwise it could not listen there, and the
+    run would talk to whatever does."""
     import socket
 
+    port = httpx.URL(url).port or 80
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("", port))
         except OSError:
-            return False
-        return True
+            raise ValueError(
+                f"remote_backend.comms.url={url}: port {port} is already taken, so the service that "
+                "remote_backend.comms.launch starts could not listen there and the run would talk to whatever "
+                "does; stop that process or give the launch command and the url another port"
+            ) from None
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -371,13 +377,7 @@ def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[by
     The port must be free first: otherwise the launched service cannot listen and whatever already does
     would answer in its place.
     """
-    port = httpx.URL(url).port or 80
-    if not _port_free(port):
-        raise ValueError(
-            f"remote_backend.comms.url={url}: port {port} is already taken, so the service that "
-            "remote_backend.comms.launch starts could not listen there; stop that process or give the launch "
-            "command and the url another port"
-        )
+    require_free_port(url)
     proc = subprocess.Popen(shlex.split(command), preexec_fn=_die_with_parent)
     deadline = time.monotonic() + timeout
     while True:
@@ -482,13 +482,7 @@ class ArcticBackend(RemoteBackend):
         url = str(comms["url"]).rstrip("/")
         api = str(comms.get("api", "auto"))
         if comms.get("launch"):
-            port = httpx.URL(url).port or 80
-            if not _port_free(port):
-                raise ValueError(
-                    f"remote_backend.comms.url={url}: port {port} is already taken, so the service that "
-                    "remote_backend.comms.launch starts could not listen there and the run would talk to whatever "
-                    "does; stop that process or give the launch command and the url another port"
-                )
+            require_free_port(url)
             job_configs(main_config, api if api != "auto" else "main")
             return
         headers = {"Authorization": f"Bearer {token}"} if token else None

@@ -125,7 +125,7 @@ class ArcticClient:
             if spec.response == "binary":
                 return wire.decode(self.encoding, response.content)
             return response.json()
-        except (ValueError, wire.WireError) as exc:  # JSONDecodeError is a ValueError
+        except ValueError as exc:  # wire.WireError and json's JSONDecodeError both are
             raise ArcticError(
                 f"Arctic call {operation} ({spec.method} {url}) answered HTTP {response.status_code} with a body "
                 f"that is not Arctic's {spec.response} answer ({describe_answer(response)}): {exc}",

@@ -50,17 +50,22 @@ def _fsync(path: str) -> None:
         os.close(descriptor)
 
 
+def _write_synced(path: str, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically, on disk before it replaces the old file."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as fp:
+        fp.write(text)
+        fp.flush()
+        os.fsync(fp.fileno())
+    os.replace(temporary, path)
+
+
 def seal(step_folder: str) -> None:
     """Sync a finished save to disk and record its files: from now on it counts as complete."""
     sizes = _files(step_folder)
     for relative in sizes:
         _fsync(os.path.join(step_folder, relative))
-    temporary = os.path.join(step_folder, f"{RECORD}.tmp")
-    with open(temporary, "w") as fp:
-        json.dump({"files": sizes}, fp, indent=0)
-        fp.flush()
-        os.fsync(fp.fileno())
-    os.replace(temporary, os.path.join(step_folder, RECORD))
+    _write_synced(os.path.join(step_folder, RECORD), json.dumps({"files": sizes}, indent=0))
     _fsync(step_folder)
 
 
@@ -131,12 +136,7 @@ def resume_target(folder: str) -> Choice:
             "checkpoint is complete"
         )
     chosen = earlier[0]
-    temporary = f"{tracker}.tmp"
-    with open(temporary, "w") as fp:
-        fp.write(str(chosen))
-        fp.flush()
-        os.fsync(fp.fileno())
-    os.replace(temporary, tracker)
+    _write_synced(tracker, str(chosen))
     return Choice(
         chosen,
         f"the latest checkpoint, global_step_{latest}, cannot be resumed: {problem}; resuming from "

@@ -71,10 +71,9 @@ def shown(text: str) -> bool:
 class _Stream(io.TextIOBase):
     """``sys.stdout`` or ``sys.stderr`` for the run: whole lines go to the :class:`Console`."""
 
-    def __init__(self, console: Console, original: IO[str], name: str) -> None:
+    def __init__(self, console: Console, original: IO[str]) -> None:
         self._console = console
         self._original = original
-        self._name = name
         self._partial = ""
 
     # What callers ask of a standard stream.
@@ -134,8 +133,8 @@ class Console:
 
     def install(self) -> None:
         """Replace ``sys.stdout`` and ``sys.stderr``; lines are sorted until :meth:`uninstall`."""
-        out = _Stream(self, sys.stdout, "stdout")
-        err = _Stream(self, sys.stderr, "stderr")
+        out = _Stream(self, sys.stdout)
+        err = _Stream(self, sys.stderr)
         self._streams = (out, err)
         sys.stdout, sys.stderr = out, err
         self.active = True
@@ -174,7 +173,7 @@ class Console:
         plain, text = _strip(line.rstrip("\r"))
         # tqdm redraws with carriage returns; the last drawing is the line's state.
         text = text.rsplit("\r", 1)[-1]
-        plain = plain.rsplit("\r", 1)[-1] if "\r" in plain else plain
+        plain = plain.rsplit("\r", 1)[-1]
         self._to_log(plain)
         if self.verbose:
             self._to_console(line.rstrip("\r"), stream)

@@ -196,19 +196,20 @@ def _ray_init(config: DictConfig) -> None:
 
 def run(config: DictConfig) -> RunSummary:
     """Run training to the end; the backend is destroyed on every way out."""
-    from verl_remote.trainer import RemoteTaskRunner
     from verl_remote.watchdog import start_watchdog
 
     # Ends what is left of the run once this process is gone, however it goes (SIGKILL included).
     watchdog = start_watchdog()
     try:
-        return _run(config, RemoteTaskRunner)
+        return _run(config)
     finally:
         os.close(watchdog)
 
 
-def _run(config: DictConfig, task_runner: Any) -> RunSummary:
+def _run(config: DictConfig) -> RunSummary:
     import ray
+
+    from verl_remote.trainer import RemoteTaskRunner
 
     _ray_init(config)
     # After Ray's own handler (which exits mid-call and crashes in Ray's C++ teardown): SIGTERM stops the
@@ -218,7 +219,7 @@ def _run(config: DictConfig, task_runner: Any) -> RunSummary:
     # however it was started.
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        runner = task_runner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
+        runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
         result = runner.run.remote(config)
         try:
             summary: RunSummary = ray.get(result)

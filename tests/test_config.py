@@ -132,3 +132,33 @@ def test_verl_main_ppo_sees_the_same_group_with_plus() -> None:
     ours = compose_config(["remote_backend=echo", "remote_backend.state_dir=/srv/x"])
     assert printed["remote_backend"] == dict(ours.remote_backend)
     assert printed["trainer"]["use_v1"] == ours.trainer.use_v1
+
+
+@pytest.mark.parametrize(
+    ("value", "word"),
+    [
+        (None, "null"),
+        (True, "true"),
+        (8, "8"),
+        (0.005, "0.005"),
+        ("grpo", "grpo"),
+        ("/models/x-1.5b", "/models/x-1.5b"),
+        ("8", "'8'"),  # a string that Hydra would read as a number stays a string
+        ("true", "'true'"),
+        ("a,b", "'a,b'"),
+        ("${oc.env:HOME}", "${oc.env:HOME}"),
+        (["console", "file"], "[console,file]"),
+        ({}, "{}"),
+    ],
+)
+def test_settings_print_as_hydra_override_words(value: object, word: str) -> None:
+    from verl_remote.compose import _override_value
+
+    assert _override_value(value, "k") == word
+
+
+def test_a_value_with_spaces_cannot_be_one_override_word() -> None:
+    from verl_remote.compose import _override_value
+
+    with pytest.raises(ConfigError, match="k='a b': a value with spaces cannot be printed as one override word"):
+        _override_value("a b", "k")

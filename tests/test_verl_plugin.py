@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from conftest import cli, python
 from verl_remote import verl_plugin
 
@@ -35,3 +37,40 @@ def test_verl_loads_nothing_when_plugins_are_disabled_and_doctor_says_why() -> N
     assert "[FAIL] verl loads the verl-remote plugin: VERL_USE_EXTERNAL_PLUGINS='none' stops verl" in doctor.stdout
     allowlisted = cli("doctor", "--no-ray", env={"VERL_USE_EXTERNAL_PLUGINS": "verl_remote"})
     assert "[ok  ] verl loads the verl-remote plugin" in allowlisted.stdout
+
+
+def test_verls_registries_find_the_remote_trainer_and_replica_after_import_verl_alone() -> None:
+    """What `python -m verl.trainer.main_ppo` does: import verl, then look the trainer mode and rollout up."""
+    out = python(
+        "import json, sys\n"
+        "import verl\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+        "lazy = 'verl_remote.trainer' not in sys.modules\n"
+        "trainer = get_trainer_cls('remote')\n"
+        "replica = get_rollout_replica_class('verl_remote')\n"
+        "print(json.dumps([lazy, trainer.__module__ + '.' + trainer.__name__, replica.__name__,\n"
+        "                  get_trainer_cls('sync').__name__]))\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lazy, trainer, replica, sync = json.loads(out.stdout.strip().splitlines()[-1])
+    assert lazy is True  # verl-remote's trainer is imported when verl asks for it, not by the plugin
+    assert trainer == "verl_remote.trainer.RemotePPOTrainer"
+    assert replica == "BackendRolloutReplica"
+    assert sync == "PPOTrainerSync"
+
+
+def test_config_overrides_make_verls_launcher_compose_the_same_run() -> None:
+    words = cli("config", "--overrides")
+    assert words.returncode == 0, words.stderr[-3000:]
+    overrides = words.stdout.split()
+    assert "trainer.v1.trainer_mode=remote" in overrides and "actor_rollout_ref.rollout.name=verl_remote" in overrides
+    theirs = python(
+        "import sys, runpy\n"
+        f"sys.argv = ['main_ppo', '+remote_backend=local', *{overrides!r}, '--cfg', 'job']\n"
+        "runpy.run_module('verl.trainer.main_ppo', run_name='__main__')\n"
+    )
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    mine = yaml.safe_load(cli("config", *overrides).stdout)
+    verls = yaml.safe_load(theirs.stdout)
+    assert verls == mine

@@ -8,8 +8,9 @@ on stderr with a non-zero exit; ``--traceback`` shows the full stack.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from verl_remote import __version__
@@ -53,8 +54,24 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from verl_remote.compose import compose_config
 
     config = compose_config(args.overrides, recipe=args.recipe)
+    if args.as_overrides:
+        from verl_remote.compose import verl_overrides
+        from verl_remote.train import resolve_demo_assets
+
+        with _quiet_stdout():  # only the overrides on stdout, for $(verl-remote config --overrides)
+            resolve_demo_assets(config)
+        name = config.remote_backend.name if config.get("remote_backend") is not None else None
+        group = compose_config([f"remote_backend={name}"]).remote_backend if name else None
+        print("\n".join(verl_overrides(config, group)))
+        return 0
     print(OmegaConf.to_yaml(config, resolve=args.resolve), end="")
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -191,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_arguments(p)
     p.add_argument("--resolve", action="store_true", help="resolve interpolations before printing")
+    p.add_argument(
+        "--overrides",
+        dest="as_overrides",
+        action="store_true",
+        help="print the settings that differ from verl's own ppo_trainer config as verl overrides, one per line "
+        "(the demo's files made and named): python -m verl.trainer.main_ppo +remote_backend=<name> "
+        "$(verl-remote config --overrides) runs the same",
+    )
     p.set_defaults(func=_cmd_config)
 
     p = commands.add_parser(

@@ -9,6 +9,7 @@ primary config; it lists ``verl_remote`` first in its defaults.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_remote.registry import get_backend_spec
 
-__all__ = ["CONFIG_MODULE", "CONFIG_NAME", "ConfigError", "compose_config", "selected_backend"]
+__all__ = ["CONFIG_MODULE", "CONFIG_NAME", "ConfigError", "compose_config", "selected_backend", "verl_overrides"]
 
 CONFIG_MODULE = "verl_remote.config"
 CONFIG_NAME = "verl_remote"
@@ -116,3 +117,70 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
         if name != choice:
             raise ConfigError(f"remote_backend/{choice}.yaml must set 'name: {choice}' (it sets {name!r})")
     return config
+
+
+_PLAIN = re.compile(r"^[\w./:@~+-]+$")
+
+
+def _override_value(value: Any, key: str) -> str:
+    """``value`` in Hydra's override grammar, as one shell word."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_override_value(item, key) for item in value) + "]"
+    if isinstance(value, dict):
+        items = ",".join(f"{name}:{_override_value(item, key)}" for name, item in value.items())
+        return "{" + items + "}"
+    text = str(value)
+    if any(c.isspace() for c in text):
+        raise ConfigError(f"{key}={text!r}: a value with spaces cannot be printed as one override word")
+    if text.startswith("${"):
+        return text  # an interpolation, kept as such
+    if _PLAIN.match(text) and text.lower() not in ("null", "true", "false", "nan", "inf", "-inf"):
+        try:
+            float(text)
+        except ValueError:
+            return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        found: dict[str, Any] = {}
+        for name, child in node.items():
+            found.update(_leaves(child, f"{prefix}{name}."))
+        return found
+    return {prefix[:-1]: node}
+
+
+def verl_overrides(config: DictConfig, group_defaults: DictConfig | None) -> list[str]:
+    """The settings of ``config`` that differ from verl's own ``ppo_trainer`` config, as verl overrides.
+
+    With ``+remote_backend=<name>`` in front, they make ``python -m verl.trainer.main_ppo`` compose ``config``:
+    ``remote_backend`` keys appear only where they differ from the group file's (``group_defaults``).
+    """
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        base = compose(config_name="ppo_trainer")
+    mine = OmegaConf.to_container(config, resolve=False)
+    theirs = OmegaConf.to_container(base, resolve=False)
+    assert isinstance(mine, dict) and isinstance(theirs, dict)
+    backend = mine.pop("remote_backend", None) or {}
+    flat_theirs = _leaves(theirs)
+    words = []
+    for key, value in _leaves(mine).items():
+        if key not in flat_theirs:
+            words.append(f"+{key}={_override_value(value, key)}")
+        elif flat_theirs[key] != value:
+            words.append(f"{key}={_override_value(value, key)}")
+    group = OmegaConf.to_container(group_defaults, resolve=False) if group_defaults is not None else {}
+    flat_group = _leaves(group) if isinstance(group, dict) else {}
+    for key, value in _leaves(backend).items():
+        if flat_group.get(key, object()) != value:
+            words.append(f"remote_backend.{key}={_override_value(value, key)}")
+    return words

@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
 from verl_remote.backend import RemoteBackend
-from verl_remote.registry import load_backend_class
+from verl_remote.registry import load_backend_class, load_rollout_class
 from verl_remote.worker import backend_context
 
-__all__ = ["RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult", "describe_failure"]
+__all__ = ["BackendRolloutReplica", "RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult", "describe_failure"]
 
 
 @dataclass
@@ -150,6 +150,22 @@ class RemoteRolloutReplica(RolloutReplica):
         self.servers = [server]
         self._server_handle = server
         self._server_address = f"verl-remote://replica/{self.replica_rank}{self.name_suffix}"
+
+
+class BackendRolloutReplica(RemoteRolloutReplica):
+    """What verl's registry hands out for ``rollout.name=verl_remote``: the run's backend's own replica.
+
+    verl's registry loaders take no arguments, so the backend is only known once verl builds a replica with
+    the rollout config, whose ``custom`` section names it.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is not BackendRolloutReplica:
+            return super().__new__(cls)
+        config = kwargs["config"] if "config" in kwargs else args[1]
+        name, _handle, _shared = backend_context(config)
+        # Not an instance of this class, so Python does not call __init__ on it again.
+        return load_rollout_class(name)(*args, **kwargs)
 
 
 def describe_failure(exc: BaseException) -> str:

@@ -43,12 +43,12 @@ from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.workers.rollout.replica import RolloutReplicaRegistry
 
 from verl_remote.backend import RemoteBackend
 from verl_remote.checkpoints import resume_target, seal
-from verl_remote.registry import load_backend_class, load_rollout_class, load_worker_class
+from verl_remote.registry import load_backend_class, load_worker_class
 from verl_remote.train import RunSummary
+from verl_remote.verl_hooks import MODE, ROLLOUT_NAME
 from verl_remote.worker import CUSTOM_KEY
 
 __all__ = [
@@ -63,8 +63,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MODE = "remote"  # trainer.v1.trainer_mode
-ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
 # Sections of the run config that forwarders and replicas receive, besides
 # actor_rollout_ref which verl already gives them.
 SHARED_SECTIONS = ("remote_backend", "data", "trainer", "algorithm")
@@ -134,6 +132,25 @@ class RemotePPOTrainer(PPOTrainerSync):
         except BaseException:
             self.destroy_backend()
             raise
+
+    #: Print the run summary at the end of ``fit`` (verl's own launcher); ``verl-remote train`` prints it itself.
+    print_summary = True
+
+    def init(self) -> None:
+        try:
+            super().init()
+        except BaseException:
+            self.destroy_backend()
+            raise
+
+    def fit(self, agent_loop_manager: Any) -> None:
+        """verl's loop; the backend is destroyed once whatever ends it (verl's own TaskRunner does not)."""
+        try:
+            super().fit(agent_loop_manager)
+        finally:
+            self.destroy_backend()
+            if self.print_summary:
+                print(self.summary.line(), flush=True)
 
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
@@ -243,8 +260,7 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """
 
     def run(self, config: DictConfig) -> RunSummary:
-        name = str(config.remote_backend.name)
-        RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: load_rollout_class(name))
+        RemotePPOTrainer.print_summary = False  # the CLI prints it, after Ray's output
         try:
             super().run(config)
         finally:

@@ -1,0 +1,44 @@
+"""What verl-remote registers in verl's registries, right after verl imports them (see :mod:`verl_remote.verl_plugin`).
+
+Both registrations are lazy: nothing of verl-remote's trainer or rollout code is imported until verl asks for
+``trainer.v1.trainer_mode=remote`` or ``actor_rollout_ref.rollout.name=verl_remote``. The trainer must stay
+lazy: verl imports its trainer registry while it may still be importing ``verl.trainer.main_ppo``, which
+verl-remote's trainer module imports in turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MODE", "ROLLOUT_NAME", "on_rollout_replica", "on_trainer_base"]
+
+MODE = "remote"  # trainer.v1.trainer_mode
+ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
+
+
+class _Trainers(dict):  # type: ignore[type-arg]
+    """verl's trainer registry, which imports verl-remote's trainer the first time ``remote`` is looked up."""
+
+    def __missing__(self, name: str) -> Any:
+        if name == MODE:
+            import verl_remote.trainer  # noqa: F401 - registers RemotePPOTrainer under MODE, in this dict
+
+            if name in self:
+                return dict.__getitem__(self, name)
+        raise KeyError(name)
+
+
+def on_trainer_base(module: Any) -> None:
+    if not isinstance(module.TRAINER_REGISTRY, _Trainers):
+        # verl's functions read the module global at call time, so replacing it is enough.
+        module.TRAINER_REGISTRY = _Trainers(module.TRAINER_REGISTRY)
+
+
+def _replica_class() -> type:
+    from verl_remote.rollout import BackendRolloutReplica
+
+    return BackendRolloutReplica
+
+
+def on_rollout_replica(module: Any) -> None:
+    module.RolloutReplicaRegistry.register(ROLLOUT_NAME, _replica_class)

@@ -21,7 +21,8 @@ def backend_search_paths() -> list[tuple[str, str]]:
     """
     installed = available_backends()
     counts = Counter(b.name for b in installed)
-    entries: list[tuple[str, str]] = []
+    # verl-remote's own configs, for the group files' defaults (verl_remote_launcher/remote.yaml).
+    entries: list[tuple[str, str]] = [("verl-remote", "pkg://verl_remote.config")]
     for name in sorted(n for n, count in counts.items() if count > 1):
         log.warning("verl-remote: backend '%s' is registered more than once; run 'verl-remote list'", name)
     for backend in installed:

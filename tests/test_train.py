@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import ROOT, cli
+from conftest import ROOT, cli, run
 from verl_remote.watchdog import BOUND_S
 
 pytestmark = pytest.mark.train
@@ -310,3 +310,30 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
     assert _steps(resumed.stdout) == [3, 4]
     assert f"(weights sha256 {saved})" in resumed.stdout
     assert _calls(calls)[0] == "load_checkpoint 2"
+
+
+def test_verls_own_launcher_trains_with_the_backend_given_the_printed_overrides(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
+    """python -m verl.trainer.main_ppo +remote_backend=NAME $(verl-remote config --overrides ...): stock verl's CLI."""
+    calls = tmp_path / "calls.txt"
+    words = cli("config", "--overrides", "remote_backend=faulty", f"remote_backend.calls_log={calls}", cwd=tmp_path)
+    assert words.returncode == 0, words.stderr[-3000:]
+    assert f"remote_backend.calls_log={calls}" in words.stdout.split()  # differs from the group file's value
+    out = run(
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "+remote_backend=faulty",
+        *words.stdout.split(),
+        *QUICK,
+        "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _steps(out.stdout) == [1, 2]
+    assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", out.stdout)
+    assert _calls(calls).count("destroy") == 1
+    assert ray_left_behind() == {}

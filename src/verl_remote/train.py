@@ -187,6 +187,11 @@ def _ray_init(config: DictConfig) -> None:
     if ray.is_initialized():
         return
     ray_init: dict[str, Any] = dict(OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True))  # type: ignore[arg-type]
+    if ray_init.get("address") or os.environ.get("RAY_ADDRESS"):
+        # A cluster that runs already has its resources; Ray refuses them on connect.
+        for key in ("num_cpus", "num_gpus"):
+            if ray_init.pop(key, None) is not None:
+                print(f"verl-remote: joining a running Ray cluster: ray_kwargs.ray_init.{key} is the cluster's")
     runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), ray_init.pop("runtime_env", None) or {})
     # verl's file logger writes relative to its process's directory: make it the user's.
     env_vars = runtime_env.setdefault("env_vars", {})

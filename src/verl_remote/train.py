@@ -187,7 +187,11 @@ def _ray_init(config: DictConfig) -> None:
     if ray.is_initialized():
         return
     ray_init: dict[str, Any] = dict(OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True))  # type: ignore[arg-type]
-    if ray_init.get("address") or os.environ.get("RAY_ADDRESS"):
+    if not ray_init.get("address") and not os.environ.get("RAY_ADDRESS"):
+        # Ray would join a cluster someone started on this machine with `ray start`: a run with no address
+        # asked for gets its own Ray instance (RAY_ADDRESS=auto joins the machine's cluster).
+        ray_init["address"] = "local"
+    elif ray_init.get("address") != "local":
         # A cluster that runs already has its resources; Ray refuses them on connect.
         for key in ("num_cpus", "num_gpus"):
             if ray_init.pop(key, None) is not None:

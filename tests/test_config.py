@@ -162,3 +162,26 @@ def test_a_value_with_spaces_cannot_be_one_override_word() -> None:
 
     with pytest.raises(ConfigError, match="k='a b': a value with spaces cannot be printed as one override word"):
         _override_value("a b", "k")
+
+
+def test_the_paths_every_cluster_node_must_see_are_the_local_ones_verl_opens(tmp_path: Path) -> None:
+    from verl_remote.cluster import SharedPath, shared_paths
+
+    model = tmp_path / "model"
+    model.mkdir()
+    config = compose_config(
+        [
+            "data.train_files=[/data/a.parquet,hdfs://cluster/b.parquet]",
+            "data.val_files=/data/val.parquet",
+            f"actor_rollout_ref.model.path={model}",
+            "reward.custom_reward_function.path=/code/reward.py",
+            "trainer.default_local_dir=/shared/run",
+        ]
+    )
+    assert shared_paths(config, ".verl-remote.lock") == [
+        SharedPath("data.train_files", "/data/a.parquet", "file"),
+        SharedPath("data.val_files", "/data/val.parquet", "file"),
+        SharedPath("actor_rollout_ref.model.path", str(model), "dir"),
+        SharedPath("reward.custom_reward_function.path", "/code/reward.py", "file"),
+        SharedPath("trainer.default_local_dir", "/shared/run/.verl-remote.lock", "run-folder"),
+    ]

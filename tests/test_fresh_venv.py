@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, TEST_PACKAGES, run
+from conftest import ROOT, TEST_PACKAGES, processes_in, run
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,8 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path) -> None:
     work.mkdir()
 
     def in_venv(*args: str | Path) -> tuple[int, str, str]:
-        env = {**_clean_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+        # RAY_ADDRESS=local: verl's ray.init() would join a cluster started on this machine with `ray start`.
+        env = {**_clean_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RAY_ADDRESS": "local"}
         out = run(*args, env=env, timeout=600, cwd=work)
         return out.returncode, out.stdout, out.stderr
 
@@ -88,6 +89,18 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path) -> None:
     )
     assert code == 0, stderr[-3000:]
     assert yaml.safe_load(stdout)["remote_backend"]["name"] == "echo"
+
+    # verl's own launcher trains with the embedded backend, given verl-remote's settings as override words.
+    code, words, stderr = in_venv(bin_dir / "verl-remote", "config", "--overrides")
+    assert code == 0, stderr[-3000:]
+    code, stdout, stderr = in_venv(
+        bin_dir / "python", "-m", "verl.trainer.main_ppo", "+remote_backend=local", *words.split(),
+        "trainer.total_training_steps=2", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={work / 'ckpt'}",
+    )  # fmt: skip
+    assert code == 0, stderr[-3000:]
+    assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward", stdout), stdout[-3000:]
+    assert processes_in(work) == {}
 
     code, stdout, stderr = in_venv(bin_dir / "python", "-c", RAY_WORKER_CHECK)
     assert code == 0, stderr[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -320,20 +321,23 @@ def test_verls_own_launcher_trains_with_the_backend_given_the_printed_overrides(
     words = cli("config", "--overrides", "remote_backend=faulty", f"remote_backend.calls_log={calls}", cwd=tmp_path)
     assert words.returncode == 0, words.stderr[-3000:]
     assert f"remote_backend.calls_log={calls}" in words.stdout.split()  # differs from the group file's value
-    out = run(
-        sys.executable,
-        "-m",
-        "verl.trainer.main_ppo",
-        "+remote_backend=faulty",
-        *words.stdout.split(),
-        *QUICK,
-        "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        cwd=tmp_path,
-        timeout=600,
-    )
+    launch = [
+        sys.executable, "-m", "verl.trainer.main_ppo", "+remote_backend=faulty", *words.stdout.split(), *QUICK,
+        "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+    ]  # fmt: skip
+    # verl's ray.init() joins a cluster started on this machine with `ray start`; this run wants its own.
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    out = run(*launch, "trainer.total_training_steps=2", env=env, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert _steps(out.stdout) == [1, 2]
     assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", out.stdout)
     assert _calls(calls).count("destroy") == 1
+    assert ray_left_behind() == {}
+
+    # verl's resume, through verl-remote's checkpoint records: the next step, from the backend's saved state.
+    calls.unlink()
+    resumed = run(*launch, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _steps(resumed.stdout) == [3]
+    assert _calls(calls)[0] == "load_checkpoint 2"
     assert ray_left_behind() == {}

@@ -86,7 +86,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     import time
     from pathlib import Path
 
-    from verl_remote.compose import compose_config
+    from verl_remote.compose import ConfigError, compose_config
     from verl_remote.preflight import run_preflight
     from verl_remote.registry import load_backend_class
     from verl_remote.train import Terminated, hold_run_folder, prepare_config, run
@@ -116,6 +116,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
             _report_end(console, config)
             print("verl-remote train: terminated by SIGTERM", file=sys.stderr)
             return EXIT_TERMINATED
+        except ConfigError:  # found once Ray runs (a cluster node that cannot see a path): exit 2, as before it
+            raise
         except Exception as exc:
             if args.traceback:
                 raise

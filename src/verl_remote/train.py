@@ -187,11 +187,12 @@ def _ray_init(config: DictConfig) -> None:
     if ray.is_initialized():
         return
     ray_init: dict[str, Any] = dict(OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True))  # type: ignore[arg-type]
-    if not ray_init.get("address") and not os.environ.get("RAY_ADDRESS"):
+    address = ray_init.get("address") or os.environ.get("RAY_ADDRESS")
+    if not address or address == "local":
         # Ray would join a cluster someone started on this machine with `ray start`: a run with no address
         # asked for gets its own Ray instance (RAY_ADDRESS=auto joins the machine's cluster).
         ray_init["address"] = "local"
-    elif ray_init.get("address") != "local":
+    else:
         # A cluster that runs already has its resources; Ray refuses them on connect.
         for key in ("num_cpus", "num_gpus"):
             if ray_init.pop(key, None) is not None:
@@ -218,9 +219,13 @@ def run(config: DictConfig) -> RunSummary:
 def _run(config: DictConfig) -> RunSummary:
     import ray
 
+    from verl_remote.cluster import check_cluster_paths
     from verl_remote.trainer import RemoteTaskRunner
 
     _ray_init(config)
+    asked = check_cluster_paths(config, LOCK_FILE)
+    if asked:
+        print(f"verl-remote: the {asked} nodes with CPUs see the run's data, model and folder", flush=True)
     # After Ray's own handler (which exits mid-call and crashes in Ray's C++ teardown): SIGTERM stops the
     # run the way Ctrl-C does.
     previous = signal.signal(signal.SIGTERM, _terminate)

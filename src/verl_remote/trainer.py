@@ -103,7 +103,15 @@ def _shared_config(config: DictConfig) -> str:
 class RemotePPOTrainer(PPOTrainerSync):
     """verl's sync trainer driving a :class:`~verl_remote.RemoteBackend`."""
 
+    #: Check that every cluster node sees the run's paths (verl's own launcher); ``verl-remote train`` checks in
+    #: its driver, before the TaskRunner starts.
+    check_paths = True
+
     def __init__(self, config: DictConfig) -> None:
+        if self.check_paths:
+            from verl_remote.cluster import check_cluster_paths
+
+            check_cluster_paths(config)
         self.backend_name = str(config.remote_backend.name)
         self.summary = RunSummary()
         self._destroy_lock = threading.Lock()
@@ -261,6 +269,7 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
 
     def run(self, config: DictConfig) -> RunSummary:
         RemotePPOTrainer.print_summary = False  # the CLI prints it, after Ray's output
+        RemotePPOTrainer.check_paths = False  # the CLI has checked them
         try:
             super().run(config)
         finally:

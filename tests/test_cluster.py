@@ -1,0 +1,258 @@
+"""verl-remote on a Ray cluster it did not start: `ray job submit`, several nodes, paths a node cannot see.
+
+The cluster is Ray's own, started with `ray start` as an operator would: a head node with no CPUs (so nothing
+of a run lands on the driver's node) and worker nodes on loopback, each with its own raylet, with Ray's
+token authentication on. A node can be given an empty folder over a path (its own mount namespace with a
+tmpfs there), which is what a machine without the shared storage sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, free_port, processes_in, run
+
+pytestmark = [pytest.mark.train, pytest.mark.cluster]
+
+QUICK = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+class LocalCluster:
+    """A Ray cluster of `ray start` nodes on 127.0.0.1, every process working in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.dashboard_port = free_port()
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": uuid.uuid4().hex,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        self.address = f"127.0.0.1:{self.port}"
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self._ray(
+            "start", "--head", f"--port={self.port}", f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}", "--num-cpus=0",
+        )  # fmt: skip
+
+    def _ray(self, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        command = [*prefix, RAY, *args, "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={free_port()}"]
+        out = run(*command, env=self.env, cwd=self.folder, timeout=120)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return out
+
+    def add_node(self, num_cpus: int, hide: tuple[Path, ...] = ()) -> None:
+        """A worker node; each folder in ``hide`` is an empty one on that node only."""
+        prefix: tuple[str, ...] = ()
+        if hide:
+            mounts = " && ".join(f"mount -t tmpfs tmpfs '{folder}'" for folder in hide)
+            prefix = ("unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$0" "$@"')
+        self._ray("start", f"--address={self.address}", f"--num-cpus={num_cpus}", prefix=prefix)
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """A Ray CLI command against this cluster (ray job ..., ray list ...)."""
+        env = {**self.env, "RAY_API_SERVER_ADDRESS": self.dashboard, "RAY_ADDRESS": self.address}
+        return run(RAY, *args, env=env, cwd=self.folder, timeout=timeout)
+
+    def listed(self, kind: str) -> list[dict[str, str]]:
+        out = self.cli("list", kind, "--format=json", "--limit=1000")
+        assert out.returncode == 0, out.stderr[-2000:]
+        if out.stdout.startswith("No resource in the cluster"):  # what Ray prints for an empty list
+            return []
+        return list(json.loads(out.stdout))
+
+    def alive_actors(self) -> list[str]:
+        return [a["class_name"] for a in self.listed("actors") if a["state"] == "ALIVE"]
+
+    def placement_groups_left(self) -> list[str]:
+        return [g["name"] for g in self.listed("placement-groups") if g["state"] != "REMOVED"]
+
+    def head_node_id(self) -> str:
+        nodes = self.listed("nodes")
+        return next(n["node_id"] for n in nodes if n["is_head_node"])
+
+    def stop(self) -> None:
+        """End every process of this cluster (those working in its folder), and nothing else on the machine."""
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            for pid in processes_in(self.folder):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while processes_in(self.folder) and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    if shutil.which("unshare") is None:
+        pytest.fail("the cluster tests need util-linux's unshare (a node with its own mounts)")
+    folder = tmp_path / "cluster"
+    folder.mkdir()
+    started = LocalCluster(folder)
+    try:
+        yield started
+    finally:
+        started.stop()
+    assert processes_in(folder) == {}
+
+
+def _steps(text: str) -> list[int]:
+    """The steps the run printed, in order. Nodes on one machine share Ray's session folder, so each node's log
+    monitor forwards every worker's lines: a line can arrive once per node."""
+    steps = [int(part.split(":")[1]) for part in text.split() if part.startswith("step:") and part[5:].isdigit()]
+    return list(dict.fromkeys(steps))
+
+
+def _calls(path: Path) -> list[str]:
+    """The faulty backend's lifecycle calls, in order, without the process ids."""
+    return [line.split(" pid=")[0] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    cluster.add_node(num_cpus=8)
+    calls = tmp_path / "calls.txt"
+    backend = ["remote_backend=faulty", f"remote_backend.calls_log={calls}"]
+
+    done = cluster.cli(
+        "job", "submit", "--", *_verl_remote(), "train", *backend, *QUICK,
+        "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "succeeded" in done.stdout + done.stderr
+    assert _steps(done.stdout) == [1, 2]
+    assert "joining a running Ray cluster" in done.stdout
+    assert _calls(calls).count("destroy") == 1
+    assert cluster.alive_actors() == []
+    assert cluster.placement_groups_left() == []
+
+    # `ray job stop`: SIGTERM to the entrypoint, which destroys the backend within Ray's grace period.
+    calls.unlink()
+    submitted = cluster.cli(
+        "job", "submit", "--no-wait", "--submission-id=stopped", "--", *_verl_remote(), "train", *backend, *QUICK,
+        "trainer.total_training_steps=40", f"trainer.default_local_dir={tmp_path / 'ckpt-stopped'}",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    deadline = time.monotonic() + 300
+    while "step:1 " not in cluster.cli("job", "logs", "stopped").stdout:
+        assert time.monotonic() < deadline, cluster.cli("job", "logs", "stopped").stdout[-3000:]
+        time.sleep(2)
+    stopped = cluster.cli("job", "stop", "stopped")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    logs = cluster.cli("job", "logs", "stopped").stdout
+    assert "verl-remote: terminated (SIGTERM); destroying the backend" in logs
+    assert "destroy" in _calls(calls)
+    assert cluster.alive_actors() == []
+    assert cluster.placement_groups_left() == []
+
+    # verl's own launcher as the entrypoint: the printed overrides, less the CPU count a cluster has already.
+    calls.unlink()
+    words = cli("config", "--overrides", *backend)
+    assert words.returncode == 0, words.stderr[-3000:]
+    verl = cluster.cli(
+        "job", "submit", "--", sys.executable, "-m", "verl.trainer.main_ppo", "+remote_backend=faulty",
+        *words.stdout.split(), *QUICK, "ray_kwargs.ray_init.num_cpus=null", "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={tmp_path / 'ckpt-verl'}",
+        timeout=600,
+    )  # fmt: skip
+    assert verl.returncode == 0, verl.stdout[-3000:] + verl.stderr[-3000:]
+    assert _steps(verl.stdout) == [1, 2]
+    assert re.search(r"verl-remote: 2 steps \(1-2\)", verl.stdout)
+    assert _calls(calls).count("destroy") == 1
+    assert cluster.alive_actors() == []
+    assert cluster.placement_groups_left() == []
+
+
+def test_a_run_on_two_worker_nodes_trains_off_the_driver_node_and_resumes(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    cluster.add_node(num_cpus=4)
+    cluster.add_node(num_cpus=5)
+    calls = tmp_path / "calls.txt"
+    args = [
+        "train", "remote_backend=faulty", f"remote_backend.calls_log={calls}", *QUICK,
+        "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+    ]  # fmt: skip
+    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
+
+    first = run(*_verl_remote(), *args, "trainer.total_training_steps=2", env=env, cwd=tmp_path, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert _steps(first.stdout) == [1, 2]
+    assert "verl-remote: the 2 nodes with CPUs see the run's data, model and folder" in first.stdout
+
+    head = cluster.head_node_id()
+    placed = {(a["class_name"], a["node_id"]) for a in cluster.listed("actors")}
+    classes = {name for name, _ in placed}
+    assert {"RemoteTaskRunner", "LocalEngine", "LocalRolloutServer"} <= classes, classes
+    assert any("WorkerDict" in name for name in classes), classes  # verl's forwarder workers
+    assert all(node != head for _, node in placed), placed
+    assert cluster.alive_actors() == []
+
+    resumed = run(*_verl_remote(), *args, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _steps(resumed.stdout) == [3]
+    assert "load_checkpoint 2" in _calls(calls)
+    assert cluster.alive_actors() == []
+
+
+@pytest.mark.faults
+def test_a_node_that_cannot_see_the_runs_files_is_named_before_anything_starts(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The demo's files (made on the driver) and the checkpoint folder, hidden from one node."""
+    words = cli("config", "--overrides")
+    assert words.returncode == 0, words.stderr[-3000:]
+    demo = Path(next(w for w in words.stdout.split() if w.startswith("data.train_files=")).split("=", 1)[1])
+    demo_root = demo.parent.parent  # .../verl-remote/demo-vN
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cluster.add_node(num_cpus=8)
+    cluster.add_node(num_cpus=1, hide=(demo_root, shared))
+    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
+    calls = tmp_path / "calls.txt"
+    args = ["train", "remote_backend=faulty", f"remote_backend.calls_log={calls}", *QUICK]
+
+    out = run(*_verl_remote(), *args, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"data.train_files={demo} cannot be seen from node" in out.stderr
+    assert "set XDG_CACHE_HOME to a folder every node sees" in out.stderr
+    assert _calls(calls) == []  # the backend was never made
+
+    data = tmp_path / "data"
+    shutil.copytree(demo.parent, data)
+    moved = [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'val.parquet'}"]
+    model = tmp_path / "model"
+    shutil.copytree(demo_root / "model", model)
+    moved.append(f"actor_rollout_ref.model.path={model}")
+    out = run(*_verl_remote(), *args, *moved, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"trainer.default_local_dir={shared / 'ckpt'} cannot be seen from node" in out.stderr
+    assert "lock file .verl-remote.lock is not there" in out.stderr
+    assert _calls(calls) == []
+    assert cluster.alive_actors() == []
+    assert not list((shared / "ckpt").glob("global_step_*"))
+
+
+def _verl_remote() -> list[str]:
+    script = shutil.which("verl-remote", path=str(Path(sys.executable).parent))
+    assert script is not None
+    return [script]

@@ -77,3 +77,50 @@ def test_a_broken_backend_fails_in_the_worker_with_the_same_message(ray_cluster:
     ) as info:
         ray_cluster.get(ray_cluster.remote(_load_broken).remote(), timeout=120)
     assert "from verl-remote-broken-backend 0.2.0 failed to import" in str(info.value)
+
+
+class _Counter:
+    """A service: state that every process re-attaching to it shares."""
+
+    def __init__(self, start: int) -> None:
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        self.value = start
+
+    def add(self, n: int) -> int:
+        self.value += n
+        return self.value
+
+
+def _add_through_handle(handle: dict[str, Any]) -> tuple[int, int]:
+    import os
+
+    from verl_remote.service import RayService
+
+    return os.getpid(), ray.get(RayService.from_handle(handle).actor().add.remote(1))
+
+
+def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(ray_cluster: Any) -> None:
+    import os
+
+    from verl_remote.service import RayService, ServiceStartError, resources
+
+    service = RayService.start(_Counter, 10, prefix="counter", num_cpus=0)
+    assert service.name.startswith("counter_") and service.namespace == ray_cluster.get_runtime_context().namespace
+    handle = service.handle()
+    assert OmegaConf.create(handle) == handle  # plain data: crosses processes and configs
+    pid, value = ray_cluster.get(ray_cluster.remote(_add_through_handle).remote(handle), timeout=120)
+    assert pid != os.getpid() and value == 11
+    assert ray_cluster.get(service.actor().add.remote(1)) == 12
+
+    service.stop()
+    service.stop()  # idempotent, as destroy must be
+    with pytest.raises(ValueError, match=r"the backend's service 'counter_\w+' .* is gone"):
+        service.actor()
+
+    # A constructor that raises fails the start, on the caller's side, in the constructor's words.
+    with pytest.raises(ServiceStartError, match="_Counter failed to start: ValueError: start must be >= 0, got -1$"):
+        RayService.start(_Counter, -1, num_cpus=0)
+
+    assert resources(OmegaConf.create({"num_cpus": 2})) == {"num_cpus": 2.0, "num_gpus": 0.0}
+    assert resources({}) == {"num_cpus": 1.0, "num_gpus": 0.0}

@@ -43,7 +43,9 @@ def backend_context(rollout_config: Any) -> tuple[str, dict[str, Any], DictConfi
     """``(backend name, reconnect handle, config)`` from verl's rollout config in a worker or replica.
 
     The config holds the run's ``remote_backend``, ``data``, ``trainer`` and
-    ``algorithm`` sections as composed on the driver.
+    ``algorithm`` sections as composed on the driver, resolved. A forwarder adds
+    its ``actor_rollout_ref`` section, a rollout server ``actor_rollout_ref.model``
+    only, before calling ``from_config``.
     """
     custom = rollout_config.get("custom") if hasattr(rollout_config, "get") else rollout_config.custom
     entry = (custom or {}).get(CUSTOM_KEY)
@@ -184,6 +186,14 @@ class RemoteForwarderWorker(Worker):
         """The accelerator the backend trains on ("NVIDIA H100 80GB HBM3", "CPU"), for MFU; None: unknown."""
         return None
 
+    def backend_flops(self, seqlens: list[int]) -> float | None:
+        """FLOPs of one forward and backward pass over sequences of these lengths on the service, for MFU.
+
+        None (the default): verl's formula for the Hugging Face config at the model path, which is right only
+        when the service trains that architecture.
+        """
+        return None
+
     def _mfu(self, seqlens: list[int], elapsed: float, epochs: int) -> float:
         """Model FLOPs utilisation of the backend's device, as verl computes it for its own workers.
 
@@ -192,14 +202,18 @@ class RemoteForwarderWorker(Worker):
         per-architecture formula and the peak comes from the backend's device name.
         """
         device = self.backend_device_name()
-        if self._flops is None or elapsed <= 0 or device is None:
+        if elapsed <= 0 or device is None:
             return 0.0
         from verl.utils.flops_counter import ESTIMATE_FUNC, get_device_flops
 
-        estimate = ESTIMATE_FUNC.get(self._flops.config.model_type)
-        if estimate is None:
-            return 0.0
-        achieved = estimate(self._flops.config, sum(seqlens), seqlens, elapsed) * epochs
+        flops = self.backend_flops(seqlens)
+        if flops is not None:
+            achieved = float(flops) * epochs / elapsed / 1e12  # TFLOPS, as verl's estimates
+        else:
+            estimate = ESTIMATE_FUNC.get(self._flops.config.model_type) if self._flops is not None else None
+            if estimate is None:
+                return 0.0
+            achieved = estimate(self._flops.config, sum(seqlens), seqlens, elapsed) * epochs
         peak = get_device_flops(device_name=device)
         return float(achieved / peak / self.world_size) if 0 < peak < float("inf") else 0.0
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import uuid
 from typing import Any
 
 import ray
@@ -13,6 +11,7 @@ from omegaconf import OmegaConf
 from verl_remote.backend import RemoteBackend
 from verl_remote.backends.local.engine import GenerateResult, LocalEngine
 from verl_remote.payload import Packed
+from verl_remote.service import RayService, resources
 
 __all__ = ["LocalBackend"]
 
@@ -21,16 +20,16 @@ CHECKPOINT_SUBDIR = "local_engine"
 
 
 class LocalBackend(RemoteBackend):
-    """Every process holds a handle to the same named engine actor."""
+    """Every process holds a handle to the same named engine actor (a :class:`RayService`)."""
 
-    def __init__(self, engine: Any, handle: dict[str, Any]) -> None:
-        self.engine = engine
-        self._handle = handle
+    def __init__(self, service: RayService) -> None:
+        self.service = service
+        self.engine = service.actor()
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> LocalBackend:
         if handle is not None:
-            return cls(ray.get_actor(handle["actor"], namespace=handle["namespace"]), handle)
+            return cls(RayService.from_handle(handle))
         settings = OmegaConf.to_container(main_config.remote_backend, resolve=True)
         assert isinstance(settings, dict)
         device = str(settings.get("device", "auto"))
@@ -38,23 +37,19 @@ class LocalBackend(RemoteBackend):
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
         settings["device"] = device
         actor_config = OmegaConf.to_container(main_config.actor_rollout_ref.actor, resolve=True)
-        name = f"verl_remote_local_engine_{uuid.uuid4().hex[:8]}"
-        namespace = ray.get_runtime_context().namespace
-        engine = (
-            ray.remote(LocalEngine)
-            .options(
-                name=name,
-                namespace=namespace,
-                num_cpus=float(settings.get("num_cpus", 1)),
-                num_gpus=1 if device.startswith("cuda") else 0,
-            )
-            .remote(str(main_config.actor_rollout_ref.model.path), actor_config, settings)
+        service = RayService.start(
+            LocalEngine,
+            str(main_config.actor_rollout_ref.model.path),
+            actor_config,
+            settings,
+            prefix="verl_remote_local_engine",
+            num_cpus=resources(settings)["num_cpus"],
+            num_gpus=1 if device.startswith("cuda") else 0,
         )
-        ray.get(engine.weights_checksum.remote())  # surfaces construction errors here, on the driver
-        return cls(engine, {"actor": name, "namespace": namespace})
+        return cls(service)
 
     def reconnect_handle(self) -> dict[str, Any]:
-        return dict(self._handle)
+        return self.service.handle()
 
     def requires_single_forwarder(self) -> bool:
         # One engine owns one optimizer: several forwarders would step it once each per mini-batch.
@@ -72,8 +67,7 @@ class LocalBackend(RemoteBackend):
         await self.engine.load.remote(os.path.join(path, CHECKPOINT_SUBDIR))
 
     async def destroy(self) -> None:
-        with contextlib.suppress(ValueError):  # already gone
-            ray.kill(self.engine, no_restart=True)
+        self.service.stop()
 
     # -- compute, used by this backend's worker and replica -------------------------------------
 

@@ -2,9 +2,8 @@
 
 It runs inside one Ray actor (see :mod:`verl_remote.backends.local.backend`) and
 owns the model, its optimizer and learning-rate schedule, and a frozen copy of
-the initial weights for reference log-probs. The policy update is verl's own:
-:func:`verl.workers.utils.losses.ppo_loss` (the clipped policy loss, entropy and
-KL terms of :mod:`verl.trainer.ppo.core_algos`) on log-probs computed here.
+the initial weights for reference log-probs. The policy update is verl's own,
+through :func:`verl_remote.compute.actor_loss`, on log-probs computed here.
 
 Batches arrive packed (see :mod:`verl_remote.payload`): one flat array of token
 ids per field plus the sequence offsets, which is verl's jagged layout. Log-probs
@@ -162,35 +161,22 @@ class LocalEngine:
         ``temperature``, ``calculate_entropy`` and verl's global batch info
         (``dp_size``, ``batch_num_tokens``, ``global_batch_size``).
         """
-        from tensordict import TensorDict
-        from verl.utils import tensordict_utils as tu
-        from verl.utils.metric import Metric
-        from verl.workers.utils.losses import ppo_loss
+        from verl_remote.compute import actor_loss
 
         self._capture_reference()  # before the first update, so the reference is the initial model
         log_probs, entropy = self._token_log_probs(
             self.model, batch["input_ids"], float(meta["temperature"]), bool(meta["calculate_entropy"])
         )
         layout = batch["input_ids"]
-        model_output = {"log_probs": _jagged(log_probs, layout)}
-        if entropy is not None:
-            model_output["entropy"] = _jagged(entropy, layout)
-        fields = {key: to_nested(value) for key, value in batch.items()}
-        size = len(batch["input_ids"].offsets) - 1
-        data = TensorDict(fields, batch_size=[size])
-        tu.assign_non_tensor(
-            data,
-            dp_size=int(meta["dp_size"]),
-            batch_num_tokens=meta["batch_num_tokens"],
-            global_batch_size=meta["global_batch_size"],
+        loss, metrics = actor_loss(
+            _jagged(log_probs, layout),
+            {key: to_nested(value) for key, value in batch.items()},
+            meta,
+            self.actor_config,
+            entropy=None if entropy is None else _jagged(entropy, layout),
         )
-        loss, metrics = ppo_loss(self.actor_config, model_output, data)
         loss.backward()
-        out: dict[str, float] = {"loss": float(loss.detach())}
-        for key, value in metrics.items():
-            value = value.aggregate() if isinstance(value, Metric) else value
-            out[key.removeprefix("actor/")] = float(value.detach() if torch.is_tensor(value) else value)
-        return out
+        return metrics
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, zero the gradients. Returns grad_norm and the learning rate used."""

@@ -15,6 +15,8 @@ CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
 # The distributions this repository builds: verl-remote (the root) and verl-arctic.
 DISTRIBUTIONS = [str(ROOT), str(ROOT / "dists" / "verl-arctic")]
 TEST_PACKAGES = [str(p) for p in sorted((ROOT / "tests" / "packages").iterdir()) if (p / "pyproject.toml").is_file()]
+# Third-party backends to copy (examples/): built, installed and checked like any other.
+EXAMPLES = [str(p) for p in sorted((ROOT / "examples").iterdir()) if (p / "pyproject.toml").is_file()]
 
 nox.options.sessions = ["lint", "types", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -23,7 +25,7 @@ nox.options.reuse_existing_virtualenvs = True
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite, against the real verl, Ray and Hydra (installs verl-remote and the test backends)."""
-    session.install("-c", CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES)
+    session.install("-c", CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES, *EXAMPLES)
     session.install("-c", CONSTRAINTS, "pytest")
     session.run("pytest", *session.posargs)
 
@@ -46,13 +48,13 @@ def types(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Both distributions (verl-remote, verl-arctic) as an sdist and a wheel built from it, into dist/, checked
-    as the package index would check them."""
+    """Both distributions (verl-remote, verl-arctic) and the examples as an sdist and a wheel built from it, into
+    dist/, checked as the package index would check them."""
     session.install("build", "twine")
     out = ROOT / "dist"
     for stale in out.glob("verl_*") if out.is_dir() else []:
         stale.unlink()
-    for project in DISTRIBUTIONS:
+    for project in [*DISTRIBUTIONS, *EXAMPLES]:
         session.run("python", "-m", "build", "--outdir", str(out), project)
     session.run("twine", "check", "--strict", *[str(p) for p in sorted(out.glob("verl_*"))])
 

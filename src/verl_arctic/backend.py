@@ -610,6 +610,11 @@ class ArcticBackend(RemoteBackend):
     # -- compute, used by this backend's worker and rollout server ---------------------------------
 
     def forward(self, payload: dict[str, Any], *, reference: bool) -> dict[str, Any]:
+        if reference and "log_prob" not in self.jobs:
+            raise ValueError(
+                "reference log-probs were asked for, but this run made no reference job: verl-arctic makes one "
+                "when a KL term is on (actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward)"
+            )
         job = self.jobs["log_prob"] if reference else self.jobs["training"]
         return self.client.forward(job, payload)
 

@@ -56,6 +56,10 @@ class ArcticRolloutServer(RemoteRolloutServer):
         tokens = [int(t) for t in result["token_ids"]]
         log_probs = sampled_log_probs(result, tokens, self.backend.client.url) if want_logprobs else None
         stop = "aborted" if result.get("finish_reason") == "abort" else "completed"
+        # Arctic stops at the model's EOS itself; any other stop id of the contract is applied here.
+        end = next((i + 1 for i, token in enumerate(tokens) if token in self.stop_token_ids), len(tokens))
+        if end < len(tokens):
+            tokens, log_probs, stop = tokens[:end], None if log_probs is None else log_probs[:end], "completed"
         return SampleResult(tokens, log_probs, stop)
 
     async def sleep(self) -> None:

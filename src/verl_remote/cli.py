@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -177,6 +178,28 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from verl_remote.registry import get_backend_spec
+    from verl_remote.testing import check_backend
+    from verl_remote.watchdog import start_watchdog
+
+    get_backend_spec(args.name)  # an unknown name: exit 2 with the installed ones
+    print(f"verl-remote check: backend '{args.name}' (a Ray instance of its own, the demo's tiny model)", flush=True)
+    watchdog = start_watchdog()  # nothing of the checks outlives this process, however it ends
+    try:
+        results = check_backend(args.name, args.overrides, on_result=lambda r: print(r.line(), flush=True))
+    finally:
+        os.close(watchdog)
+    failed = [r for r in results if not r.ok and not r.skipped]
+    skipped = [r for r in results if r.skipped]
+    passed = len(results) - len(failed) - len(skipped)
+    summary = f"check {args.name}: {passed} passed, {len(failed)} failed"
+    if skipped:
+        summary += f", {len(skipped)} not run"
+    print(summary)
+    return EXIT_FAILED if failed or skipped else 0
+
+
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """What composes a run config, the same for every command that composes one."""
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override, key=value")
@@ -246,6 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-ray", action="store_true", help="skip the checks in a Ray worker process")
     p.set_defaults(func=_cmd_doctor)
+
+    p = commands.add_parser(
+        "check",
+        help="run the conformance checks against an installed backend",
+        description="Drive backend NAME as a training run does, without verl's trainer: its spec and group "
+        "file, from_config and the reconnect handle, a forwarder and a rollout server re-attached in their own "
+        "Ray processes, the log-prob layout, the sampler, a training step, weight sync, a checkpoint round "
+        "trip and destroy. One line per check, with a fix for each failure. Exits 0 when every check passes, "
+        "1 otherwise.",
+    )
+    p.add_argument("name", help="the backend's name (see 'verl-remote list')")
+    p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override for the backend, key=value")
+    p.set_defaults(func=_cmd_check)
     return parser
 
 

@@ -32,7 +32,7 @@ class SampleResult:
 
     token_ids: list[int]
     log_probs: list[float] | None = None
-    #: "completed" (stop token or budget reached) or "aborted", as verl expects.
+    #: "completed" (stop token or budget reached) or "aborted" (stopped early: verl continues the request).
     stop_reason: str = "completed"
 
 
@@ -104,10 +104,13 @@ class RemoteRolloutServer:
     async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
         """Sample one response from the backend.
 
-        ``sampling_params`` as verl sends them: ``temperature``, ``top_p``,
-        ``top_k``, ``repetition_penalty`` and ``logprobs`` (whether per-token
-        log-probs are wanted). ``self.stop_token_ids`` are the model's EOS ids;
-        ``self.tokenizer`` is the model's tokenizer.
+        ``sampling_params`` as verl sends them: ``temperature`` (0: greedy, as in
+        verl's validation), ``top_p``, ``top_k``, ``repetition_penalty`` and
+        ``logprobs`` (whether per-token log-probs are wanted). Return at most
+        ``max_tokens`` tokens, ending after the first of ``self.stop_token_ids``
+        (the model's EOS ids) it emits; ``self.tokenizer`` is the model's
+        tokenizer. ``stop_reason`` "aborted" makes verl send the request again
+        with the tokens so far appended to the prompt.
         """
         raise NotImplementedError
 

@@ -37,7 +37,7 @@ import threading
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 from verl.single_controller.ray.base import RayResourcePool, ResourcePoolManager
 from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.ppo.utils import Role
@@ -49,7 +49,7 @@ from verl_remote.checkpoints import resume_target, seal
 from verl_remote.registry import load_backend_class, load_worker_class
 from verl_remote.train import RunSummary
 from verl_remote.verl_hooks import MODE, ROLLOUT_NAME
-from verl_remote.worker import CUSTOM_KEY
+from verl_remote.worker import CUSTOM_KEY, attach_backend
 
 __all__ = [
     "CUSTOM_KEY",
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 # Sections of the run config that forwarders and replicas receive, besides
 # actor_rollout_ref which verl already gives them.
-SHARED_SECTIONS = ("remote_backend", "data", "trainer", "algorithm")
 # The per-step metric the run summary reports (verl's mean sequence score).
 REWARD_METRIC = "critic/score/mean"
 
@@ -90,13 +89,6 @@ class CPUResourcePoolManager(ResourcePoolManager):
             self.resource_pool_dict[name] = RayResourcePool(
                 process_on_nodes=process_on_nodes, use_gpu=False, max_colocate_count=1, name_prefix=name
             )
-
-
-def _shared_config(config: DictConfig) -> str:
-    """The shared sections as YAML text: verl turns nested dicts with a ``_target_`` in the
-    rollout config into dataclasses, and a string passes through untouched."""
-    shared = {key: OmegaConf.to_container(config[key], resolve=True) for key in SHARED_SECTIONS if key in config}
-    return OmegaConf.to_yaml(shared)
 
 
 @register_trainer(MODE)
@@ -127,15 +119,7 @@ class RemotePPOTrainer(PPOTrainerSync):
                     f"trainer.n_gpus_per_node * trainer.nnodes = {forwarders}: "
                     "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
                 )
-            with open_dict(config):
-                existing = config.actor_rollout_ref.rollout.get("custom")
-                custom: dict[str, Any] = dict(OmegaConf.to_container(existing)) if existing is not None else {}  # type: ignore[arg-type]
-                custom[CUSTOM_KEY] = {
-                    "backend": self.backend_name,
-                    "handle": self.backend.reconnect_handle(),
-                    "config": _shared_config(config),
-                }
-                config.actor_rollout_ref.rollout.custom = custom
+            attach_backend(config, self.backend_name, self.backend.reconnect_handle())
             super().__init__(config)
         except BaseException:
             self.destroy_backend()

@@ -23,7 +23,7 @@ import re
 import time
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tensordict import TensorDict
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
@@ -32,11 +32,30 @@ from verl.utils import tensordict_utils as tu
 from verl_remote.backend import RemoteBackend
 from verl_remote.registry import load_backend_class
 
-__all__ = ["RemoteForwarderWorker", "backend_context"]
+__all__ = ["SHARED_SECTIONS", "RemoteForwarderWorker", "attach_backend", "backend_context"]
 
 log = logging.getLogger(__name__)
 
 CUSTOM_KEY = "verl_remote"  # the trainer puts the backend's name, handle and settings here
+
+
+#: The run's sections every forwarder and rollout server gets, as composed on the driver.
+SHARED_SECTIONS = ("remote_backend", "data", "trainer", "algorithm")
+
+
+def attach_backend(config: DictConfig, name: str, handle: dict[str, Any]) -> None:
+    """Put the backend's name, reconnect handle and the shared sections where workers and replicas find them.
+
+    ``actor_rollout_ref.rollout.custom.verl_remote``: verl hands the rollout config to every forwarder and rollout
+    server. The sections travel as YAML text, since verl turns nested dicts with a ``_target_`` in the rollout
+    config into dataclasses, and a string passes through untouched.
+    """
+    shared = {key: OmegaConf.to_container(config[key], resolve=True) for key in SHARED_SECTIONS if key in config}
+    with open_dict(config):
+        existing = config.actor_rollout_ref.rollout.get("custom")
+        custom: dict[str, Any] = dict(OmegaConf.to_container(existing)) if existing is not None else {}  # type: ignore[arg-type]
+        custom[CUSTOM_KEY] = {"backend": name, "handle": handle, "config": OmegaConf.to_yaml(shared)}
+        config.actor_rollout_ref.rollout.custom = custom
 
 
 def backend_context(rollout_config: Any) -> tuple[str, dict[str, Any], DictConfig]:
@@ -150,8 +169,10 @@ class RemoteForwarderWorker(Worker):
     ) -> tuple[Any, Any]:
         """Jagged ``(log_probs, entropy)`` over each row of ``data["input_ids"]``.
 
-        Position ``t`` holds ``log p(input_ids[t+1])``; the last position of a row
-        is 0. ``entropy`` may be zeros when not asked for.
+        Position ``t`` holds ``log p(input_ids[t+1])`` at ``temperature``; the last position of a row is 0, so
+        response token ``j`` of a row of ``n`` tokens with ``r`` response tokens is at ``n - r - 1 + j``
+        (:mod:`verl_remote.compute`). ``data`` also holds ``prompts``, ``responses`` and ``response_mask``.
+        ``entropy`` may be zeros when not asked for. ``reference``: score with the initial weights.
         """
         raise NotImplementedError
 
@@ -159,7 +180,9 @@ class RemoteForwarderWorker(Worker):
         """One forward-backward pass of verl's actor loss on ``mini_batch``; returns its metrics.
 
         ``meta``: ``temperature``, ``calculate_entropy``, ``dp_size``,
-        ``batch_num_tokens`` and ``global_batch_size`` (for verl's loss aggregation).
+        ``batch_num_tokens`` and ``global_batch_size`` (for verl's loss aggregation); the loss settings are in
+        ``self.config.actor``. :func:`verl_remote.compute.actor_loss` computes verl's loss from them. Return
+        at least ``loss``, as plain floats without the ``actor/`` prefix (docs/backend-author-guide.md).
         """
         raise NotImplementedError
 

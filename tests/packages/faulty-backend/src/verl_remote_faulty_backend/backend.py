@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
 
 from verl_remote.backends.local.backend import LocalBackend
+from verl_remote.backends.local.rollout import LocalRolloutReplica, LocalRolloutServer
 from verl_remote.backends.local.worker import LocalForwarderWorker
+from verl_remote.rollout import RemoteRolloutServer, SampleResult
 
 
 class InjectedFailure(RuntimeError):
@@ -63,7 +67,8 @@ class FaultyBackend(LocalBackend):
 
     async def load_checkpoint(self, step: int, path: str) -> None:
         self._record(f"load_checkpoint {step}")
-        await super().load_checkpoint(step, path)
+        if self.settings.get("defect") != "load_nothing":
+            await super().load_checkpoint(step, path)
 
     async def destroy(self) -> None:
         self._record("destroy")
@@ -71,4 +76,29 @@ class FaultyBackend(LocalBackend):
 
 
 class FaultyWorker(LocalForwarderWorker):
-    pass
+    backend: FaultyBackend
+
+    def backend_log_probs(
+        self, data: Any, *, temperature: float, calculate_entropy: bool, reference: bool
+    ) -> tuple[Any, Any]:
+        log_probs, entropy = super().backend_log_probs(
+            data, temperature=temperature, calculate_entropy=calculate_entropy, reference=reference
+        )
+        if self.backend.settings.get("defect") == "shifted_log_probs":
+            # Position t holds log p(token t+2): each row one position early, its last still 0.
+            rows = [torch.cat([row[1:], row.new_zeros(1)]) for row in log_probs.unbind(0)]
+            log_probs = torch.nested.nested_tensor(rows, layout=torch.jagged)
+        return log_probs, entropy
+
+
+class FaultyServer(LocalRolloutServer):
+    backend: FaultyBackend
+
+    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
+        if self.backend.settings.get("defect") == "ignore_max_tokens":
+            max_tokens += 3
+        return await super().sample(prompt_ids, max_tokens, sampling_params)
+
+
+class FaultyReplica(LocalRolloutReplica):
+    server_class: ClassVar[type[RemoteRolloutServer]] = FaultyServer

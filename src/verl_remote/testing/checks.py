@@ -1,0 +1,546 @@
+"""The conformance checks: one installed backend, driven as verl-remote drives it, without verl's trainer.
+
+The checks run in order and share one backend: the later ones need what the earlier ones made (the backend,
+its worker and sampler, a sampled response). When one fails, those that need what it should have made are
+reported as not run. Each result says what was checked and, when it fails, what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CHECKS", "CheckResult", "Conformance"]
+
+#: Absolute tolerance between log-probs that must agree (sampler vs trainer, one call vs the next).
+DEFAULT_ATOL = 1e-3
+#: A reconnect handle larger than this (pickled) is not "small".
+HANDLE_LIMIT_BYTES = 4096
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+class CheckFailed(AssertionError):
+    """A check's finding: ``str`` says what is wrong, ``hint`` what to do."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str = ""
+    hint: str = ""
+    #: Not run, because an earlier check it needs failed.
+    skipped: bool = False
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        mark = "skip" if self.skipped else ("ok  " if self.ok else "FAIL")
+        text = f"[{mark}] {self.name}"
+        if self.detail:
+            text += f": {self.detail}"
+        if not self.ok and not self.skipped and self.hint:
+            text += f"\n       fix: {self.hint}"
+        return text
+
+
+def _expect(condition: bool, message: str, hint: str = "") -> None:
+    if not condition:
+        raise CheckFailed(message, hint)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class _State:
+    config: Any = None
+    backend: Any = None
+    worker: Any = None
+    server: Any = None
+    prompts: list[list[int]] = field(default_factory=list)
+    vocab: int = 0
+    responses: list[list[int]] = field(default_factory=list)
+    sampled_log_probs: list[list[float]] = field(default_factory=list)
+    folder: str = ""
+
+
+def _packed(rows: list[list[Any]], dtype: Any) -> Any:
+    from verl_remote.payload import Packed
+
+    offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+    values = np.array([v for r in rows for v in r], dtype=dtype)
+    return Packed(values, offsets)
+
+
+def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    edges = np.cumsum([0, *lengths])
+    return [values[a:b] for a, b in itertools.pairwise(edges)]
+
+
+class Conformance:
+    """The checks of one backend. ``run()`` returns one :class:`CheckResult` per check, in order."""
+
+    def __init__(self, name: str, overrides: tuple[str, ...] = (), *, atol: float = DEFAULT_ATOL) -> None:
+        self.name = name
+        self.overrides = tuple(overrides)
+        self.atol = atol
+        self.state = _State()
+        self._made: set[str] = set()
+        self._baseline: set[int] = set()
+
+    # -- the checks, in order ---------------------------------------------------------------------------
+
+    def check_spec(self) -> str:
+        """spec and group file: the entry point, its classes, and remote_backend/<name>.yaml with its name."""
+        from verl_remote.registry import get_backend_spec, load_backend_class, load_rollout_class, load_worker_class
+
+        spec = get_backend_spec(self.name)
+        for load in (load_backend_class, load_worker_class, load_rollout_class):
+            load(self.name)
+        from verl_remote.compose import compose_config
+        from verl_remote.train import resolve_demo_assets
+
+        # A KL term on, so that the reference path and the loss's KL term are checked too (overrides win).
+        kl = "actor_rollout_ref.actor.use_kl_loss=true"
+        config = compose_config([kl, f"remote_backend={self.name}", *self.overrides])
+        _expect(
+            config.remote_backend.get("name") == self.name,
+            f"the group file's name is {config.remote_backend.get('name')!r}",
+            f"put 'name: {self.name}' in remote_backend/{self.name}.yaml",
+        )
+        resolve_demo_assets(config)
+        self.state.config = config
+        return f"{spec.backend}, {spec.worker}, {spec.rollout}"
+
+    def check_contract(self) -> str:
+        """contract: the backend, worker and replica subclass verl-remote's bases."""
+        from verl_remote.backend import RemoteBackend
+        from verl_remote.registry import load_backend_class, load_rollout_class, load_worker_class
+        from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer
+        from verl_remote.worker import RemoteForwarderWorker
+
+        pairs = [
+            (load_backend_class(self.name), RemoteBackend),
+            (load_worker_class(self.name), RemoteForwarderWorker),
+            (load_rollout_class(self.name), RemoteRolloutReplica),
+            (getattr(load_rollout_class(self.name), "server_class", None), RemoteRolloutServer),
+        ]
+        for cls, base in pairs:
+            _expect(
+                isinstance(cls, type) and issubclass(cls, base),
+                f"{cls!r} is not a subclass of {base.__module__}.{base.__qualname__}",
+                "subclass verl-remote's base and override only the backend_* / sample methods",
+            )
+        return "RemoteBackend, RemoteForwarderWorker, RemoteRolloutReplica with a RemoteRolloutServer"
+
+    def check_from_config(self) -> str:
+        """from_config: the backend builds from the composed config (where verl's TaskRunner builds it)."""
+        from verl_remote.registry import load_backend_class
+
+        self._baseline = set(_children())  # what runs before the backend: not the backend's to stop
+        self.state.backend = load_backend_class(self.name).from_config(self.state.config)
+        self._made.add("backend")
+        return type(self.state.backend).__qualname__
+
+    def check_reconnect_handle(self) -> str:
+        """reconnect_handle: a small dict of plain data, picklable, holding no secret from the environment."""
+        from omegaconf import OmegaConf
+
+        handle = self.state.backend.reconnect_handle()
+        _expect(isinstance(handle, dict), f"it returned {type(handle).__name__}", "return a dict")
+        blob = pickle.dumps(handle)
+        _expect(pickle.loads(blob) == handle, "it does not survive pickling unchanged", "keep it to plain data")
+        _expect(
+            len(blob) <= HANDLE_LIMIT_BYTES,
+            f"{len(blob)} bytes pickled",
+            f"keep it under {HANDLE_LIMIT_BYTES} bytes: names and ids, not state",
+        )
+        try:
+            OmegaConf.create(handle)
+        except Exception as exc:
+            raise CheckFailed(f"not plain data ({exc})", "use str, int, float, bool, list and dict only") from None
+        text = repr(handle)
+        for key, value in os.environ.items():
+            if any(word in key.upper() for word in SECRET_WORDS) and len(value) >= 8 and value in text:
+                raise CheckFailed(
+                    f"it holds the value of ${key}", "read secrets from the environment in each process instead"
+                )
+        return f"{len(blob)} bytes"
+
+    def check_worker_reattaches(self) -> str:
+        """worker re-attaches: the forwarder builds from the handle in a separate Ray worker process."""
+        import ray
+
+        from verl_remote.testing.hosts import WorkerHost
+        from verl_remote.worker import attach_backend
+
+        config = self.state.config
+        attach_backend(config, self.name, self.state.backend.reconnect_handle())
+        host = ray.remote(WorkerHost).options(num_cpus=0).remote(self.name, config.actor_rollout_ref, _free_port())
+        pid = ray.get(host.pid.remote(), timeout=600)
+        self.state.worker = host
+        self._made.add("worker")
+        return f"pid {pid}"
+
+    def check_sampler_reattaches(self) -> str:
+        """sampler re-attaches: the rollout server builds from the handle in a separate Ray worker process."""
+        import ray
+
+        from verl_remote.testing.hosts import ServerHost
+
+        config = self.state.config
+        host = (
+            ray.remote(ServerHost)
+            .options(num_cpus=0, max_concurrency=4)
+            .remote(self.name, config.actor_rollout_ref.rollout, config.actor_rollout_ref.model)
+        )
+        pid = ray.get(host.pid.remote(), timeout=600)
+        self.state.server = host
+        self.state.vocab = int(ray.get(host.vocab_size.remote()))
+        # As many rows as verl sends in one step (prompts x samples): services may split a batch by its size.
+        rows = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
+        rng = np.random.default_rng(0)
+        top = max(min(self.state.vocab, 1000), 2)
+        self.state.prompts = [rng.integers(1, top, size=4 + i % 5).tolist() for i in range(max(rows, 3))]
+        self._made.add("server")
+        return f"pid {pid}"
+
+    def check_log_prob_layout(self) -> str:
+        """log-prob layout: one value per token of each row, the last 0, finite, the same for the same input."""
+        rows = [p + q for p, q in zip(self.state.prompts, self.state.prompts[::-1], strict=True)]
+        responses = [len(q) for q in self.state.prompts[::-1]]
+        rows[-1], responses[-1] = list(rows[0]), responses[0]  # a repeated row must score the same
+        lengths = [len(r) for r in rows]
+        out = self._log_probs(rows, responses)
+        _expect(
+            len(out) == sum(lengths),
+            f"{len(out)} values for rows of {lengths} tokens",
+            "return one log-prob per position of input_ids, prompt included",
+        )
+        per_row = _split(out, lengths)
+        _expect(bool(np.all(np.isfinite(out))), "some log-probs are not finite", "check the service's dtype/overflow")
+        _expect(bool(np.all(out <= 1e-5)), f"a log-prob is positive ({out.max():.4g})", "return log-softmax values")
+        last = [float(r[-1]) for r in per_row]
+        _expect(
+            all(v == 0.0 for v in last),
+            f"the last position of each row holds {last}, not 0",
+            "position t holds log p(input_ids[t+1]); the last position predicts nothing and must be 0 "
+            "(verl_remote.compute describes the layout)",
+        )
+        diff = float(np.abs(per_row[0] - per_row[-1]).max())
+        _expect(diff <= self.atol, f"the same row scored differently in one batch (by {diff:.3g})")
+        again = self._log_probs(rows, responses)
+        diff = float(np.abs(out - again).max())
+        _expect(diff <= self.atol, f"the same batch scored differently twice (by {diff:.3g})")
+        return f"{len(rows)} rows of {min(lengths)}-{max(lengths)} tokens"
+
+    def check_reference(self) -> str:
+        """reference log-probs: the same layout, and equal to the actor's before any update."""
+        rows = [p + q for p, q in zip(self.state.prompts, self.state.prompts, strict=True)]
+        responses = [len(q) for q in self.state.prompts]
+        actor = self._log_probs(rows, responses)
+        reference = self._log_probs(rows, responses, reference=True)
+        _expect(len(reference) == len(actor), f"{len(reference)} reference values for {len(actor)} positions")
+        diff = float(np.abs(actor - reference).max())
+        _expect(
+            diff <= self.atol,
+            f"before any update the reference differs from the actor by {diff:.3g}",
+            "reference=True must score with the initial weights (verl's KL terms use it)",
+        )
+        return f"max difference {diff:.2g}"
+
+    def check_sampler(self) -> str:
+        """sampler: honours max_tokens and the stop ids, returns one log-prob per token when asked."""
+        import ray
+
+        server = self.state.server
+        params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+        for budget in (1, 3):
+            out = ray.get(server.sample.remote(self.state.prompts[0], budget, params, []), timeout=300)
+            got = len(out["token_ids"])
+            _expect(
+                1 <= got <= budget,
+                f"max_tokens={budget} gave {got} tokens",
+                "stop at max_tokens: verl sizes every response buffer by it",
+            )
+            _expect(
+                out["log_probs"] is not None and len(out["log_probs"]) == got,
+                f"logprobs asked, got {None if out['log_probs'] is None else len(out['log_probs'])} for {got} tokens",
+                "return one log-prob per sampled token when sampling_params['logprobs'] is true",
+            )
+            _expect(out["stop_reason"] in ("completed", "aborted"), f"stop_reason {out['stop_reason']!r}")
+        everything = list(range(self.state.vocab))
+        out = ray.get(server.sample.remote(self.state.prompts[1], 4, params, everything), timeout=300)
+        _expect(
+            len(out["token_ids"]) == 1,
+            f"with every token a stop token the response has {len(out['token_ids'])} tokens",
+            "stop right after emitting any of self.stop_token_ids (the token itself included)",
+        )
+        out = ray.get(server.sample.remote(self.state.prompts[1], 2, dict(params, logprobs=False), []), timeout=300)
+        _expect(1 <= len(out["token_ids"]) <= 2, f"without logprobs, {len(out['token_ids'])} tokens for max_tokens=2")
+        greedy = dict(params, temperature=0.0)
+        first, second = ray.get([server.sample.remote(self.state.prompts[2], 4, greedy, []) for _ in range(2)])
+        _expect(
+            first["token_ids"] == second["token_ids"] and all(math.isfinite(v) for v in first["log_probs"] or [0.0]),
+            f"temperature 0 gave {first['token_ids']} then {second['token_ids']}, log-probs {first['log_probs']}",
+            "temperature 0 (verl's validation default) means greedy decoding: the most likely token, finite "
+            "log-probs, no division by zero",
+        )
+        return "max_tokens 1 and 3, stop ids, log-probs, greedy at temperature 0"
+
+    def check_training_step(self) -> str:
+        """training step: forward_backward and optimizer_step return finite metrics and change the policy."""
+        import ray
+
+        rows, responses = self._sample_rows(max_tokens=4)
+        before = self._log_probs(rows, [len(r) for r in responses])
+        fields, meta = self._mini_batch(rows, responses, before)
+        metrics = ray.get(self.state.worker.forward_backward.remote(fields, meta), timeout=600)
+        _expect("loss" in metrics, f"forward_backward returned {sorted(metrics)}", "return at least 'loss'")
+        step = ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
+        for key in ("grad_norm", "lr"):
+            _expect(key in step, f"optimizer_step returned {sorted(step)}", "return at least 'grad_norm' and 'lr'")
+        ray.get(self.state.worker.end_of_step.remote(), timeout=600)
+        bad = [k for k, v in {**metrics, **step}.items() if not isinstance(v, float) or not math.isfinite(v)]
+        _expect(not bad, f"metrics not finite: {bad}", "return plain finite floats")
+        after = self._log_probs(rows, [len(r) for r in responses])
+        change = float(np.abs(after - before).max())
+        _expect(change > 0, "the log-probs are the same after an optimizer step", "apply the gradients")
+        return f"loss {metrics['loss']:.4g}, grad_norm {step['grad_norm']:.4g}, lr {step['lr']:.3g}"
+
+    def check_weight_sync(self) -> str:
+        """weight sync: after update_weights the sampler's log-probs equal the trainer's for the same tokens."""
+        asyncio.run(self.state.backend.update_weights())
+        rows, responses = self._sample_rows(max_tokens=5)
+        trained = self._log_probs(rows, [len(r) for r in responses])
+        worst = 0.0
+        for row, response, sampled, scored in zip(
+            rows, responses, self.state.sampled_log_probs, _split(trained, [len(r) for r in rows]), strict=True
+        ):
+            start = len(row) - len(response) - 1
+            mine = scored[start : start + len(response)]
+            worst = max(worst, float(np.abs(mine - np.asarray(sampled)).max()))
+        _expect(
+            worst <= self.atol,
+            f"sampled and trained log-probs of the same tokens differ by up to {worst:.3g}",
+            "update_weights must make the sampler use the trained weights; response token j of a row of n tokens "
+            "with r response tokens is scored at position n - r - 1 + j",
+        )
+        return f"max difference {worst:.2g}"
+
+    def check_checkpoint(self) -> str:
+        """save, train, load: load_checkpoint restores the log-probs of the save exactly."""
+        self.state.folder = tempfile.mkdtemp(prefix="verl-remote-check-")
+        path = os.path.join(self.state.folder, "global_step_1", "actor")
+        os.makedirs(path)
+        rows, responses = self._sample_rows(max_tokens=4)
+        lengths = [len(r) for r in responses]
+        saved = self._log_probs(rows, lengths)
+        asyncio.run(self.state.backend.save_checkpoint(1, path))
+        fields, meta = self._mini_batch(rows, responses, saved)
+        import ray
+
+        ray.get(self.state.worker.forward_backward.remote(fields, meta), timeout=600)
+        ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
+        changed = self._log_probs(rows, lengths)
+        _expect(float(np.abs(changed - saved).max()) > 0, "a training step after the save changed nothing")
+        asyncio.run(self.state.backend.load_checkpoint(1, path))
+        restored = self._log_probs(rows, lengths)
+        diff = float(np.abs(restored - saved).max())
+        _expect(
+            diff <= 1e-6,
+            f"after load_checkpoint the log-probs differ from the saved ones by {diff:.3g}",
+            "restore the weights (and the optimizer) that save_checkpoint wrote for that step",
+        )
+        return f"max difference {diff:.2g}"
+
+    def check_destroy(self) -> str:
+        """destroy: idempotent, and nothing the backend started is left running."""
+        import ray
+
+        named_before = set(self._named_actors())
+        for host in (self.state.worker, self.state.server):
+            if host is not None:
+                ray.kill(host, no_restart=True)
+        self.state.worker = self.state.server = None
+        asyncio.run(self.state.backend.destroy())
+        asyncio.run(self.state.backend.destroy())
+        self._made.discard("backend")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            left_actors = set(self._named_actors()) & named_before
+            left_processes = {p: c for p, c in _children().items() if p not in self._baseline and not _is_ray(c)}
+            if not left_actors and not left_processes:
+                break
+            time.sleep(0.5)
+        _expect(not left_actors, f"named actors left: {sorted(left_actors)}", "kill the actors the backend started")
+        _expect(
+            not left_processes,
+            f"processes left: {sorted(left_processes.values())}",
+            "stop the processes the backend started",
+        )
+        return "twice, nothing left"
+
+    # -- plumbing -------------------------------------------------------------------------------------
+
+    def _log_probs(self, rows: list[list[int]], responses: list[int], reference: bool = False) -> np.ndarray:
+        import ray
+
+        fields = self._fields(rows, responses)
+        out = ray.get(self.state.worker.log_probs.remote(fields, 1.0, False, reference), timeout=600)
+        return np.asarray(out["log_probs"], dtype=np.float64)
+
+    def _fields(self, rows: list[list[int]], responses: list[int]) -> dict[str, Any]:
+        prompts = [r[: len(r) - n] for r, n in zip(rows, responses, strict=True)]
+        answers = [r[len(r) - n :] for r, n in zip(rows, responses, strict=True)]
+        return {
+            "input_ids": _packed(rows, np.int64),
+            "prompts": _packed(prompts, np.int64),
+            "responses": _packed(answers, np.int64),
+            "response_mask": _packed([[1] * len(a) for a in answers], np.int64),
+        }
+
+    def _sample_rows(self, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+        import ray
+
+        params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+        outs = ray.get(
+            [self.state.server.sample.remote(p, max_tokens, params, []) for p in self.state.prompts], timeout=600
+        )
+        responses = [o["token_ids"] for o in outs]
+        self.state.sampled_log_probs = [o["log_probs"] for o in outs]
+        rows = [p + r for p, r in zip(self.state.prompts, responses, strict=True)]
+        return rows, responses
+
+    def _mini_batch(
+        self, rows: list[list[int]], responses: list[list[int]], log_probs: np.ndarray
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        advantages = [(1.0, -1.0, 0.5)[i % 3] for i in range(len(rows))]
+        fields = self._fields(rows, [len(r) for r in responses])
+        old = []
+        for row, response, scored in zip(rows, responses, _split(log_probs, [len(r) for r in rows]), strict=True):
+            start = len(row) - len(response) - 1
+            old.append(scored[start : start + len(response)].tolist())
+        fields["old_log_probs"] = _packed(old, np.float32)
+        if self.state.config.actor_rollout_ref.actor.use_kl_loss:
+            # The reference's log-probs here (the same numbers at the start): enough to exercise the KL term.
+            fields["ref_log_prob"] = _packed(old, np.float32)
+        fields["advantages"] = _packed([[a] * len(r) for a, r in zip(advantages, responses, strict=True)], np.float32)
+        tokens = sum(len(r) for r in responses)
+        meta = {
+            "temperature": 1.0,
+            "calculate_entropy": False,
+            "dp_size": 1,
+            "batch_num_tokens": tokens,
+            "global_batch_size": len(rows),
+        }
+        return fields, meta
+
+    @staticmethod
+    def _named_actors() -> list[str]:
+        import ray
+
+        return [f"{a['namespace']}/{a['name']}" for a in ray.util.list_named_actors(all_namespaces=True)]
+
+    # -- running ----------------------------------------------------------------------------------------
+
+    def run(self, on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
+        results: list[CheckResult] = []
+        failed = False
+        for label, method in CHECKS:
+            if failed and method not in ("check_destroy",):
+                result = CheckResult(label, ok=False, detail="not run: an earlier check failed", skipped=True)
+            elif method == "check_destroy" and "backend" not in self._made:
+                result = CheckResult(label, ok=False, detail="not run: no backend was made", skipped=True)
+            else:
+                start = time.monotonic()
+                try:
+                    detail = getattr(self, method)()
+                    result = CheckResult(label, ok=True, detail=detail)
+                except CheckFailed as exc:
+                    result = CheckResult(label, ok=False, detail=str(exc), hint=exc.hint)
+                except Exception as exc:
+                    from verl_remote.rollout import describe_failure
+
+                    result = CheckResult(label, ok=False, detail=describe_failure(_root(exc)))
+                result.seconds = time.monotonic() - start
+                failed = failed or not result.ok
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+        return results
+
+    def close(self) -> None:
+        """Destroy what is left (after a failed check) and remove the checkpoint folder."""
+        import shutil
+
+        if "backend" in self._made:
+            with contextlib.suppress(Exception):
+                asyncio.run(self.state.backend.destroy())
+        if self.state.folder:
+            shutil.rmtree(self.state.folder, ignore_errors=True)
+
+
+#: (name, method) in the order they run.
+CHECKS: list[tuple[str, str]] = [
+    ("spec", "check_spec"),
+    ("contract", "check_contract"),
+    ("from_config", "check_from_config"),
+    ("reconnect_handle", "check_reconnect_handle"),
+    ("worker_reattaches", "check_worker_reattaches"),
+    ("sampler_reattaches", "check_sampler_reattaches"),
+    ("log_prob_layout", "check_log_prob_layout"),
+    ("reference", "check_reference"),
+    ("sampler", "check_sampler"),
+    ("training_step", "check_training_step"),
+    ("weight_sync", "check_weight_sync"),
+    ("checkpoint", "check_checkpoint"),
+    ("destroy", "check_destroy"),
+]
+
+
+def _root(exc: BaseException) -> BaseException:
+    while isinstance(getattr(exc, "cause", None), BaseException) and exc.cause is not exc:  # type: ignore[attr-defined]
+        exc = exc.cause  # type: ignore[attr-defined]
+    return exc
+
+
+def _children() -> dict[int, str]:
+    """This process's descendants: pid -> command line."""
+    from pathlib import Path
+
+    from verl_remote.watchdog import descendants
+
+    found = {}
+    for pid, _start in descendants({os.getpid()}):
+        with contextlib.suppress(OSError):
+            found[pid] = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    return found
+
+
+def _is_ray(command: str) -> bool:
+    return any(word in command for word in ("ray::", "raylet", "gcs_server", "/ray/", "dashboard", "runtime_env"))
+
+
+def iter_results(results: list[CheckResult]) -> Iterator[str]:
+    for result in results:
+        yield result.line()

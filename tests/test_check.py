@@ -1,0 +1,93 @@
+"""`verl-remote check`: the conformance checks pass for in-tree backends and name the defect of broken ones."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, cli, run
+
+pytestmark = pytest.mark.train  # each run starts a Ray instance and the demo's model (about 45 s)
+
+CHECK_NAMES = [
+    "spec", "contract", "from_config", "reconnect_handle", "worker_reattaches", "sampler_reattaches",
+    "log_prob_layout", "reference", "sampler", "training_step", "weight_sync", "checkpoint", "destroy",
+]  # fmt: skip
+
+
+def _marks(stdout: str) -> dict[str, str]:
+    return dict((name, mark.strip()) for mark, name in re.findall(r"^\[(ok  |FAIL|skip)\] (\w+)", stdout, re.M))
+
+
+def test_the_local_backend_passes_every_check_and_leaves_nothing(tmp_path: Path, ray_left_behind: Any) -> None:
+    out = cli("check", "local", cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert _marks(out.stdout) == dict.fromkeys(CHECK_NAMES, "ok")
+    assert out.stdout.splitlines()[-1] == f"check local: {len(CHECK_NAMES)} passed, 0 failed"
+    assert ray_left_behind() == {}
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("defect", "failing", "fix"),
+    [
+        ("shifted_log_probs", "weight_sync", "is scored at position n - r - 1 + j"),
+        ("ignore_max_tokens", "sampler", "stop at max_tokens"),
+        ("load_nothing", "checkpoint", "restore the weights"),
+    ],
+)
+def test_a_broken_backend_fails_the_check_that_names_its_defect(
+    tmp_path: Path, ray_left_behind: Any, defect: str, failing: str, fix: str
+) -> None:
+    out = cli("check", "faulty", f"remote_backend.defect={defect}", cwd=tmp_path, timeout=900)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    marks = _marks(out.stdout)
+    position = CHECK_NAMES.index(failing)
+    assert [marks[n] for n in CHECK_NAMES[:position]] == ["ok"] * position  # everything before it passes
+    assert marks[failing] == "FAIL"
+    assert all(marks[n] == "skip" for n in CHECK_NAMES[position + 1 : -1])
+    assert marks["destroy"] == "ok"  # the backend is destroyed whatever failed
+    failure = out.stdout.split(f"[FAIL] {failing}")[1].split("\n[")[0]  # its line and its fix
+    assert "fix: " in failure and fix in failure
+    assert ray_left_behind() == {}
+
+
+def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones() -> None:
+    out = cli("check", "nope")
+    assert out.returncode == 2
+    assert "nope" in out.stderr and "local" in out.stderr
+
+
+def test_the_example_backend_passes_every_check_from_its_own_pytest_file(tmp_path: Path, ray_left_behind: Any) -> None:
+    """examples/bigram-backend: a third party's backend, checked as its author would check it."""
+    out = run(
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", ROOT / "examples" / "bigram-backend" / "tests",
+        cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "1 passed" in out.stdout
+    assert ray_left_behind() == {}
+
+
+def test_the_example_backend_trains(tmp_path: Path, ray_left_behind: Any) -> None:
+    out = cli(
+        "train", "remote_backend=bigram", "trainer.total_training_steps=2", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}", cwd=tmp_path, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3}", out.stdout)
+    assert ray_left_behind() == {}
+
+
+def test_a_backend_without_verl_remotes_bases_fails_the_contract_check(tmp_path: Path) -> None:
+    """The echo test backend is a lifecycle stub: its worker is not a forwarder, so it cannot train."""
+    out = cli("check", "echo", cwd=tmp_path, timeout=600)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    marks = _marks(out.stdout)
+    assert marks["spec"] == "ok" and marks["contract"] == "FAIL"
+    assert "EchoWorker'> is not a subclass of verl_remote.worker.RemoteForwarderWorker" in out.stdout
+    assert marks["destroy"] == "skip"  # no backend was made

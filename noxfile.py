@@ -27,7 +27,7 @@ def tests(session: nox.Session) -> None:
     """The test suite, against the real verl, Ray and Hydra (installs verl-remote and the test backends)."""
     session.install("-c", CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES, *EXAMPLES)
     session.install("-c", CONSTRAINTS, "pytest")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "--durations=25", *session.posargs)  # the slowest tests, for keeping CI under an hour
 
 
 @nox.session

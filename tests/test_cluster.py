@@ -202,9 +202,13 @@ def test_a_run_on_two_worker_nodes_trains_off_the_driver_node_and_resumes(
     head = cluster.head_node_id()
     placed = {(a["class_name"], a["node_id"]) for a in cluster.listed("actors")}
     classes = {name for name, _ in placed}
-    assert {"RemoteTaskRunner", "LocalEngine", "LocalRolloutServer"} <= classes, classes
+    assert {"RemoteTaskRunner", "LocalEngine", "FaultyServer"} <= classes, classes  # FaultyServer: the rollout server
     assert any("WorkerDict" in name for name in classes), classes  # verl's forwarder workers
-    assert all(node != head for _, node in placed), placed
+    # What reserves CPUs (the TaskRunner, verl's forwarders, the engine) runs on the worker nodes; a rollout server
+    # reserves none, so Ray may put it on the head too.
+    holding = [(name, node) for name, node in placed if name != "FaultyServer"]
+    assert all(node != head for _, node in holding), placed
+    assert len({node for _, node in placed}) >= 2, placed  # the run spans nodes
     assert cluster.alive_actors() == []
 
     resumed = run(*_verl_remote(), *args, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)

@@ -144,6 +144,12 @@ def processes_in(folder: Path) -> dict[int, str]:
     return found
 
 
+def faulty_calls(log: Path) -> list[str]:
+    """The faulty test backend's lifecycle calls in ``log`` (its ``calls_log``), in order, without the process ids;
+    none when it recorded nothing."""
+    return [line.split(" pid=")[0] for line in log.read_text().splitlines()] if log.exists() else []
+
+
 @pytest.fixture
 def ray_left_behind(tmp_path: Path) -> Any:
     """A function: the processes of runs started in this test's folder still alive after a grace period."""

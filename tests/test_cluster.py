@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, free_port, processes_in, run
+from conftest import cli, faulty_calls, free_port, processes_in, run
 
 pytestmark = [pytest.mark.train, pytest.mark.cluster]
 
@@ -120,11 +120,6 @@ def _steps(text: str) -> list[int]:
     return list(dict.fromkeys(steps))
 
 
-def _calls(path: Path) -> list[str]:
-    """The faulty backend's lifecycle calls, in order, without the process ids."""
-    return [line.split(" pid=")[0] for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
@@ -141,7 +136,7 @@ def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
     assert "succeeded" in done.stdout + done.stderr
     assert _steps(done.stdout) == [1, 2]
     assert "joining a running Ray cluster" in done.stdout
-    assert _calls(calls).count("destroy") == 1
+    assert faulty_calls(calls).count("destroy") == 1
     assert cluster.alive_actors() == []
     assert cluster.placement_groups_left() == []
 
@@ -160,7 +155,7 @@ def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     logs = cluster.cli("job", "logs", "stopped").stdout
     assert "verl-remote: terminated (SIGTERM); destroying the backend" in logs
-    assert "destroy" in _calls(calls)
+    assert "destroy" in faulty_calls(calls)
     assert cluster.alive_actors() == []
     assert cluster.placement_groups_left() == []
 
@@ -177,7 +172,7 @@ def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
     assert verl.returncode == 0, verl.stdout[-3000:] + verl.stderr[-3000:]
     assert _steps(verl.stdout) == [1, 2]
     assert re.search(r"verl-remote: 2 steps \(1-2\)", verl.stdout)
-    assert _calls(calls).count("destroy") == 1
+    assert faulty_calls(calls).count("destroy") == 1
     assert cluster.alive_actors() == []
     assert cluster.placement_groups_left() == []
 
@@ -214,7 +209,7 @@ def test_a_run_on_two_worker_nodes_trains_off_the_driver_node_and_resumes(
     resumed = run(*_verl_remote(), *args, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert _steps(resumed.stdout) == [3]
-    assert "load_checkpoint 2" in _calls(calls)
+    assert "load_checkpoint 2" in faulty_calls(calls)
     assert cluster.alive_actors() == []
 
 
@@ -239,7 +234,7 @@ def test_a_node_that_cannot_see_the_runs_files_is_named_before_anything_starts(
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"data.train_files={demo} cannot be seen from node" in out.stderr
     assert "set XDG_CACHE_HOME to a folder every node sees" in out.stderr
-    assert _calls(calls) == []  # the backend was never made
+    assert faulty_calls(calls) == []  # the backend was never made
 
     data = tmp_path / "data"
     shutil.copytree(demo.parent, data)
@@ -251,7 +246,7 @@ def test_a_node_that_cannot_see_the_runs_files_is_named_before_anything_starts(
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"trainer.default_local_dir={shared / 'ckpt'} cannot be seen from node" in out.stderr
     assert "lock file .verl-remote.lock is not there" in out.stderr
-    assert _calls(calls) == []
+    assert faulty_calls(calls) == []
     assert cluster.alive_actors() == []
     assert not list((shared / "ckpt").glob("global_step_*"))
 

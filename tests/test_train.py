@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import ROOT, cli, run
+from conftest import ROOT, cli, faulty_calls, run
 from verl_remote.watchdog import BOUND_S
 
 pytestmark = pytest.mark.train
@@ -45,11 +45,6 @@ def _checkpoint_checksum(actor_dir: Path) -> str:
         digest.update(name.encode())
         digest.update(tensor.contiguous().numpy().tobytes())
     return digest.hexdigest()
-
-
-def _calls(log: Path) -> list[str]:
-    """The faulty backend's lifecycle calls, in order, without the process ids."""
-    return [line.split(" pid=")[0] for line in log.read_text().splitlines()]
 
 
 def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(tmp_path: Path, ray_left_behind: Any) -> None:
@@ -126,8 +121,8 @@ def test_ctrl_c_and_sigterm_destroy_the_backend_once_and_the_run_resumes_from_th
     assert f"verl-remote: {said}; destroying the backend" in output
     assert "logging.cc" not in output and "SIGABRT" not in output  # no native crash on the way out
     # Weights sync after init and after each step, the step-2 checkpoint before step 2's sync.
-    assert _calls(calls)[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"]
-    assert _calls(calls)[-1] == "destroy" and _calls(calls).count("destroy") == 1
+    assert faulty_calls(calls)[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"]
+    assert faulty_calls(calls)[-1] == "destroy" and faulty_calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}
     assert not (tmp_path / "ckpt" / "global_step_4").exists()
 
@@ -135,7 +130,7 @@ def test_ctrl_c_and_sigterm_destroy_the_backend_once_and_the_run_resumes_from_th
     resumed = _train(tmp_path, *args[:2], "trainer.total_training_steps=4", "trainer.save_freq=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(resumed.stdout) == [3, 4]
-    assert _calls(calls) == [
+    assert faulty_calls(calls) == [
         "load_checkpoint 2",
         "update_weights",
         "update_weights",
@@ -162,7 +157,7 @@ def test_a_backend_failure_in_update_actor_fails_the_run_and_destroys_the_backen
         "verl-remote train: the run failed: InjectedFailure: faulty backend: injected failure in forward_backward"
         in out.stderr
     )
-    assert _calls(calls).count("destroy") == 1
+    assert faulty_calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}
 
 
@@ -191,7 +186,7 @@ def test_a_sampler_failure_stops_that_step_with_the_samplers_own_error(tmp_path:
     # Each request's failure is logged by verl's agent loop: the console shows it once and counts the rest.
     assert (out.stdout + out.stderr).count("injected failure in generate") == 2, out.stderr[-3000:]
     assert re.search(r"verl-remote: \d+ more error lines like the ones above are in .*/logs/train-", out.stderr)
-    assert _calls(calls).count("destroy") == 1
+    assert faulty_calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}
 
 
@@ -210,7 +205,7 @@ def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(
     assert out.returncode == 1
     assert "SingleForwarderError: backend 'faulty' needs exactly one forwarder worker" in out.stderr
     assert "set trainer.n_gpus_per_node=1 trainer.nnodes=1" in out.stderr
-    assert _calls(calls).count("destroy") == 1
+    assert faulty_calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}
 
 
@@ -310,7 +305,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(resumed.stdout) == [3, 4]
     assert f"(weights sha256 {saved})" in resumed.stdout
-    assert _calls(calls)[0] == "load_checkpoint 2"
+    assert faulty_calls(calls)[0] == "load_checkpoint 2"
 
 
 def test_verls_own_launcher_trains_with_the_backend_given_the_printed_overrides(
@@ -331,7 +326,7 @@ def test_verls_own_launcher_trains_with_the_backend_given_the_printed_overrides(
     assert out.returncode == 0, out.stderr[-3000:]
     assert _steps(out.stdout) == [1, 2]
     assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", out.stdout)
-    assert _calls(calls).count("destroy") == 1
+    assert faulty_calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}
 
     # verl's resume, through verl-remote's checkpoint records: the next step, from the backend's saved state.
@@ -339,5 +334,5 @@ def test_verls_own_launcher_trains_with_the_backend_given_the_printed_overrides(
     resumed = run(*launch, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(resumed.stdout) == [3]
-    assert _calls(calls)[0] == "load_checkpoint 2"
+    assert faulty_calls(calls)[0] == "load_checkpoint 2"
     assert ray_left_behind() == {}

@@ -91,6 +91,14 @@ def _packed(rows: list[list[Any]], dtype: Any) -> Any:
     return Packed(values, offsets)
 
 
+def _responses_of(values: np.ndarray, rows: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
+    """Each row's response part of per-token values over whole rows (verl_remote.compute's alignment)."""
+    from verl_remote.compute import response_index
+
+    picked = values[response_index([len(r) for r in rows], [len(r) for r in responses]).numpy()]
+    return _split(picked, [len(r) for r in responses])
+
+
 def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
     edges = np.cumsum([0, *lengths])
     return [values[a:b] for a, b in itertools.pairwise(edges)]
@@ -333,11 +341,7 @@ class Conformance:
         rows, responses = self._sample_rows(max_tokens=5)
         trained = self._log_probs(rows, [len(r) for r in responses])
         worst = 0.0
-        for row, response, sampled, scored in zip(
-            rows, responses, self.state.sampled_log_probs, _split(trained, [len(r) for r in rows]), strict=True
-        ):
-            start = len(row) - len(response) - 1
-            mine = scored[start : start + len(response)]
+        for sampled, mine in zip(self.state.sampled_log_probs, _responses_of(trained, rows, responses), strict=True):
             worst = max(worst, float(np.abs(mine - np.asarray(sampled)).max()))
         _expect(
             worst <= self.atol,
@@ -436,10 +440,7 @@ class Conformance:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         advantages = [(1.0, -1.0, 0.5)[i % 3] for i in range(len(rows))]
         fields = self._fields(rows, [len(r) for r in responses])
-        old = []
-        for row, response, scored in zip(rows, responses, _split(log_probs, [len(r) for r in rows]), strict=True):
-            start = len(row) - len(response) - 1
-            old.append(scored[start : start + len(response)].tolist())
+        old = [part.tolist() for part in _responses_of(log_probs, rows, responses)]
         fields["old_log_probs"] = _packed(old, np.float32)
         if self.state.config.actor_rollout_ref.actor.use_kl_loss:
             # The reference's log-probs here (the same numbers at the start): enough to exercise the KL term.

@@ -124,6 +124,19 @@ def arctic_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
         yield url, str(request.param)
 
 
+@pytest.fixture(scope="session")
+def tinker_server() -> Iterator[Any]:
+    """SkyRL's real Tinker-API server (``verl_tinker.local_server.LocalServer``), one for the test session.
+
+    Its Python 3.12 environment is built on first use (minutes; then cached under
+    ``~/.cache/verl-remote/tinker-server``); it serves verl-remote's demo model, which the runs also load.
+    """
+    from verl_tinker.local_server import start_local_server
+
+    with start_local_server() as server:
+        yield server
+
+
 def processes_in(folder: Path) -> dict[int, str]:
     """Processes whose working directory is ``folder`` or below, pid -> command line.
 

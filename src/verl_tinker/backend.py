@@ -1,0 +1,281 @@
+"""``TinkerBackend``: the RemoteBackend contract over one Tinker session (:mod:`verl_tinker.session`).
+
+The driver starts the session actor, which connects to the service at ``remote_backend.base_url``, creates
+the run's LoRA training client and its samplers; the forwarder and every rollout server re-attach to the
+actor by name. Weight sync saves the trained weights for sampling (every rollout server samples through the
+same session, so all switch at once); a checkpoint is the service's own (``save_state``), its path recorded
+under verl's checkpoint folder; resume makes a training client from that state, with its optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Any
+
+import httpx
+from omegaconf import OmegaConf
+
+from verl_remote.backend import RemoteBackend
+from verl_remote.service import RayService, ServiceStartError, resources
+
+__all__ = ["TinkerBackend", "check_objective", "loss_reduction"]
+
+log = logging.getLogger(__name__)
+
+#: What a checkpoint of this backend is, inside verl's ``global_step_N/actor`` folder.
+CHECKPOINT_FILE = "tinker_checkpoint.json"
+REDUCTIONS = ("sum", "sequence_mean")
+
+
+def as_dict(node: Any) -> dict[str, Any]:
+    """A config section as a plain, resolved dict."""
+    value = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a config mapping, got {type(value).__name__}")
+    return {str(k): v for k, v in value.items()}
+
+
+def check_objective(actor: dict[str, Any], rollout: dict[str, Any]) -> None:
+    """Refuse the verl settings whose objective the Tinker API cannot compute.
+
+    The service returns the log-prob of each target token at temperature 1 and nothing else of the
+    distribution: verl's loss is sent as its gradient with respect to those log-probs, which covers every
+    policy loss, KL term and aggregation verl has, but not an entropy bonus nor log-probs at another
+    temperature.
+    """
+    coeff = float(actor.get("entropy_coeff") or 0.0)
+    if coeff != 0.0:
+        raise ValueError(
+            f"actor_rollout_ref.actor.entropy_coeff={coeff}: a Tinker service returns the log-prob of each sampled "
+            "token only, not the distribution an entropy bonus needs; set actor_rollout_ref.actor.entropy_coeff=0"
+        )
+    temperature = float(rollout.get("temperature", 1.0))
+    if temperature != 1.0:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.temperature={temperature}: a Tinker service scores tokens at temperature 1 "
+            "only, and verl's loss needs the log-probs at the sampling temperature; set "
+            "actor_rollout_ref.rollout.temperature=1.0 (validation may still sample greedily)"
+        )
+    optimizer = str((actor.get("optim") or {}).get("optimizer") or "AdamW")
+    if optimizer != "AdamW":
+        raise ValueError(
+            f"actor_rollout_ref.actor.optim.optimizer={optimizer}: a Tinker service steps with AdamW (decoupled "
+            "weight decay) only; set actor_rollout_ref.actor.optim.optimizer=AdamW"
+        )
+
+
+def loss_reduction(settings: dict[str, Any], timeout: float = 10.0) -> str:
+    """How the service reduces a loss over tokens (remote_backend.loss_reduction, auto resolved).
+
+    auto: SkyRL's Tinker server names itself "Tinker API Mock" at ``GET /`` (skyrl/tinker/api.py, ``root``) and
+    its JAX backend divides each sequence's loss by the sum of its weights and the accumulated gradient by the
+    number of sequences (skyrl/backends/jax.py, ``loss_for_lora`` and ``AccumulatedGradients.get_mean``):
+    sequence_mean. Any other service: Tinker's documented sum.
+    """
+    value = _reduction_setting(settings)
+    if value in REDUCTIONS:
+        return value
+    try:
+        answer = httpx.get(str(settings["base_url"]).rstrip("/") + "/", timeout=timeout).json()
+    except (httpx.HTTPError, ValueError):
+        return "sum"
+    return "sequence_mean" if isinstance(answer, dict) and answer.get("name") == "Tinker API Mock" else "sum"
+
+
+class TinkerBackend(RemoteBackend):
+    """Every process holds a handle to the run's one session actor."""
+
+    def __init__(self, service: RayService, reduction: str) -> None:
+        self.service = service
+        self.session = service.actor()
+        self.reduction = reduction
+
+    @classmethod
+    def preflight(cls, main_config: Any) -> None:
+        """The settings honoured, the service answering its health route; nothing is created."""
+        settings = as_dict(main_config.remote_backend)
+        _base_url(settings)
+        check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
+        _reduction_setting(settings)
+        _healthy(settings)
+
+    @classmethod
+    def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> TinkerBackend:
+        if handle is not None:
+            return cls(RayService.from_handle(handle), str(handle["reduction"]))
+        import ray
+
+        settings = as_dict(main_config.remote_backend)
+        base_url = _base_url(settings)
+        actor = as_dict(main_config.actor_rollout_ref.actor)
+        check_objective(actor, as_dict(main_config.actor_rollout_ref.rollout))
+        _healthy(settings)
+        reduction = loss_reduction(settings, timeout=float(settings.get("connect_timeout_s", 10)))
+        base_model = str(settings.get("base_model") or main_config.actor_rollout_ref.model.path)
+        optim = dict(actor.get("optim") or {})
+        if float(optim.get("clip_grad") or 0.0) > 0 and reduction == "sequence_mean":
+            log.warning(
+                "verl-tinker: SkyRL's Tinker server does not clip gradients (its AdamParams has no grad_clip_norm); "
+                "actor_rollout_ref.actor.optim.clip_grad=%s is sent and not applied",
+                optim.get("clip_grad"),
+            )
+        from verl_tinker.session import TinkerSession
+
+        try:
+            service = RayService.start(
+                TinkerSession,
+                {**settings, "base_url": base_url},
+                base_model,
+                optim,
+                prefix="verl_tinker_session",
+                num_cpus=resources(settings)["num_cpus"],
+            )
+        except ServiceStartError as exc:
+            raise RuntimeError(f"verl-tinker: {exc}") from None
+        backend = cls(service, reduction)
+        try:
+            started = ray.get(backend.session.start.remote())
+        except Exception as exc:
+            service.stop()
+            raise RuntimeError(f"verl-tinker: the service at {base_url} refused the run: {_cause(exc)}") from None
+        log.info(
+            "verl-tinker: training %s (LoRA rank %s) as model %s on %s; loss reduction %s",
+            base_model,
+            settings.get("lora_rank"),
+            started["model_id"],
+            base_url,
+            reduction,
+        )
+        return backend
+
+    def reconnect_handle(self) -> dict[str, Any]:
+        return {**self.service.handle(), "reduction": self.reduction}
+
+    def requires_single_forwarder(self) -> bool:
+        # One training client, one optimizer: several forwarders would each step it per mini-batch.
+        return True
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def update_weights(self) -> None:
+        await _awaited(self.session.update_sampler.remote())
+
+    async def save_checkpoint(self, step: int, path: str) -> None:
+        state = await _awaited(self.session.save.remote(f"verl-step-{step}"))
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CHECKPOINT_FILE), "w") as f:
+            json.dump({"step": step, **state}, f, indent=2)
+
+    async def load_checkpoint(self, step: int, path: str) -> None:
+        record = os.path.join(path, CHECKPOINT_FILE)
+        if not os.path.isfile(record):
+            raise FileNotFoundError(
+                f"{record} is missing: this checkpoint was not written by verl-tinker, so there is no service "
+                "checkpoint to resume from"
+            )
+        with open(record) as f:
+            state = json.load(f)
+        await _awaited(self.session.load.remote(state))
+
+    async def destroy(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayActorError, ValueError):  # the session is gone already
+            await self.session.close.remote()
+        self.service.stop()
+
+    # -- compute, used by this backend's worker and replica -------------------------------------
+
+    def forward(self, rows: list[list[int]], *, update: bool = False) -> list[Any]:
+        return list(_get(self.session.forward.remote(rows, update=update)))
+
+    def reference(self, rows: list[list[int]]) -> list[Any]:
+        return list(_get(self.session.reference.remote(rows)))
+
+    def submit_forward_backward(self, datums: list[dict[str, Any]]) -> None:
+        _get(self.session.submit_forward_backward.remote(datums))
+
+    def optim_step(self) -> dict[str, float]:
+        return dict(_get(self.session.optim_step.remote()))
+
+    def end_of_step(self) -> float:
+        return float(_get(self.session.end_of_step.remote()))
+
+    async def sample(self, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
+        import ray
+
+        try:
+            result: dict[str, Any] = await self.session.sample.remote(prompt, max_tokens, params)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause_of(exc) from None
+        return result
+
+
+def _base_url(settings: dict[str, Any]) -> str:
+    url = settings.get("base_url")
+    if not url:
+        raise ValueError(
+            "remote_backend.base_url is not set: point it at the Tinker-API service, e.g. "
+            "remote_backend.base_url=http://127.0.0.1:8000 for a server started with "
+            "'python -m verl_tinker.local_server --port 8000'"
+        )
+    return str(url).rstrip("/")
+
+
+def _reduction_setting(settings: dict[str, Any]) -> str:
+    value = str(settings.get("loss_reduction") or "auto")
+    if value not in ("auto", *REDUCTIONS):
+        raise ValueError(f"remote_backend.loss_reduction={value}: use one of auto, {', '.join(REDUCTIONS)}")
+    return value
+
+
+def _healthy(settings: dict[str, Any]) -> None:
+    """The service answers ``GET /api/v1/healthz`` (the Tinker API's health route)."""
+    url = _base_url(settings)
+    timeout = float(settings.get("connect_timeout_s", 10))
+    try:
+        response = httpx.get(f"{url}/api/v1/healthz", timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ValueError(
+            f"remote_backend.base_url={url}: nothing answers there ({type(exc).__name__}: {exc}); start the service "
+            "(python -m verl_tinker.local_server --port N for a local one) or set remote_backend.base_url to where "
+            "it runs"
+        ) from exc
+    if response.status_code >= 400 and response.status_code not in (401, 403):
+        raise ValueError(
+            f"remote_backend.base_url={url}: GET /api/v1/healthz answered HTTP {response.status_code}; is a "
+            "Tinker-API service at that address?"
+        )
+
+
+def _cause_of(exc: Any) -> BaseException:
+    """The session's own exception (a TinkerError: one line) out of Ray's wrapper, which carries a traceback."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc
+
+
+def _get(ref: Any) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        raise _cause_of(exc) from None
+
+
+async def _awaited(ref: Any) -> Any:
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as exc:
+        raise _cause_of(exc) from None
+
+
+def _cause(exc: BaseException) -> str:
+    """The last line of a Ray task error: the service's own exception."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__

@@ -1,0 +1,363 @@
+"""The run's one Tinker session: a Ray actor that holds the SDK's clients and every request of the run.
+
+The Tinker API orders a training client's requests by a per-client sequence number and lets a model load a
+checkpoint only as its first request (a resumed run gets a new model); a sampling session belongs to the
+session that made it. So one process owns the session, the training client, the current sampler and the
+base model's sampler, and the forwarder and the rollout servers call it: :class:`TinkerSession`, started by
+:class:`~verl_tinker.backend.TinkerBackend` as a :class:`~verl_remote.service.RayService`.
+
+Futures are used as the API means them: ``submit_forward_backward`` returns once the request is queued,
+``optim_step`` queues the step behind it and waits for both, the sampler's weights are saved right after.
+The actor counts the seconds the training calls wait on the service (``actor/service_wait_s``, per optimizer
+step: the forward passes, the passes and the step itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TinkerError", "TinkerSession", "adam_params", "lr_schedule"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds destroy waits for each model to unload (the service may be gone: destroy must finish).
+UNLOAD_TIMEOUT_S = 30.0
+
+#: Sent as the API key when the key's environment variable is unset (a local server checks none).
+NO_KEY = "tml-no-key-set"
+
+
+class TinkerSession:
+    """Owns the service's clients for one run; every method is a request or a few, awaited on the service."""
+
+    def __init__(self, settings: dict[str, Any], base_model: str, optim: dict[str, Any]) -> None:
+        self.settings = settings
+        self.base_model = base_model
+        self.optim = optim
+        self.service: Any = None
+        self.training: Any = None
+        self.sampler: Any = None  # the policy's current weights
+        self.base_sampler: Any = None  # the base model, for the reference log-probs
+        self.model_ids: list[str] = []  # every model this run created, unloaded on close
+        self.weights_version = 0  # optimizer steps applied so far in this session
+        self.sampler_version = -1
+        self.pending: list[Any] = []  # forward_backward futures queued since the last optimizer step
+        self.cached: dict[tuple[int, ...], np.ndarray] = {}  # log-probs at weights_version, by row
+        self.cached_version = -1
+        self.wait_s = 0.0
+        self.schedule = lr_schedule(optim)
+        self.schedule_steps = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, Any]:
+        """Connect, check the model is served, create the LoRA training client and both samplers."""
+        import tinker
+
+        key = os.environ.get(str(self.settings["api_key_env"])) or NO_KEY
+        self.service = tinker.ServiceClient(
+            base_url=str(self.settings["base_url"]),
+            api_key=key,
+            timeout=float(self.settings["timeout_s"]),
+            max_retries=int(self.settings["max_retries"]),
+        )
+        capabilities = await self._call("get_server_capabilities", self.service.get_server_capabilities_async())
+        served = [m.model_name for m in capabilities.supported_models]
+        if served and self.base_model not in served:
+            raise ValueError(
+                f"the service at {self.settings['base_url']} does not serve {self.base_model!r} "
+                f"(remote_backend.base_model); it serves {served}"
+            )
+        self.training = await self._call(
+            "create_model",
+            self.service.create_lora_training_client_async(
+                base_model=self.base_model,
+                rank=int(self.settings["lora_rank"]),
+                seed=None if self.settings.get("lora_seed") is None else int(self.settings["lora_seed"]),
+                train_mlp=bool(self.settings["train_mlp"]),
+                train_attn=bool(self.settings["train_attn"]),
+                train_unembed=bool(self.settings["train_unembed"]),
+            ),
+        )
+        self.model_ids.append(str(self.training.model_id))
+        self.base_sampler = await self._call(
+            "create_sampling_session", self.service.create_sampling_client_async(base_model=self.base_model)
+        )
+        await self.update_sampler()
+        return {"model_id": str(self.training.model_id)}
+
+    async def close(self) -> None:
+        """Unload every model this run created; idempotent."""
+        if self.service is None:
+            return
+        for model_id in list(self.model_ids):
+            try:
+                await self._unload(model_id)
+            except Exception as exc:  # the service may be gone; destroy must still finish
+                log.warning("verl-tinker: could not unload model %s: %s", model_id, exc)
+        self.model_ids = []
+        self.service.holder.close()
+        self.service = None
+
+    # -- log-probs ---------------------------------------------------------------------------------
+
+    async def forward(self, rows: Sequence[Sequence[int]], *, update: bool = False) -> list[np.ndarray]:
+        """The policy's log-prob of each next token (``len(row) - 1`` values per row), at the current weights.
+
+        ``update``: asked by the actor update (its wait counts in ``service_wait_s``), not by ``compute_log_prob``.
+        """
+        from tinker import types
+
+        if self.cached_version == self.weights_version and all(tuple(row) in self.cached for row in rows):
+            return [self.cached[tuple(row)] for row in rows]
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([int(t) for t in row[:-1]]),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData(data=[int(t) for t in row[1:]], dtype="int64"),
+                    "weights": types.TensorData(data=[0.0] * (len(row) - 1), dtype="float32"),
+                },
+            )
+            for row in rows
+        ]
+        result = await self._call(
+            "forward", _submitted(self.training.forward_async(data, "cross_entropy")), timed=update
+        )
+        out = [np.asarray(o["logprobs"].data, dtype=np.float32) for o in result.loss_fn_outputs]
+        if self.cached_version != self.weights_version:
+            self.cached, self.cached_version = {}, self.weights_version
+        self.cached.update({tuple(int(t) for t in row): lp for row, lp in zip(rows, out, strict=True)})
+        return out
+
+    async def reference(self, rows: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The base model's log-prob of each next token, from a sampler of the base model (no LoRA)."""
+        from tinker import types
+
+        async def one(row: Sequence[int]) -> np.ndarray:
+            values = await self._call(
+                "compute_logprobs", self.base_sampler.compute_logprobs_async(types.ModelInput.from_ints(list(row)))
+            )
+            # Tinker answers one value per prompt token, the first None (nothing predicts it).
+            values = list(values)[-(len(row) - 1) :]
+            return np.asarray([0.0 if v is None else v for v in values], dtype=np.float32)
+
+        return list(await asyncio.gather(*(one(row) for row in rows)))
+
+    # -- training ----------------------------------------------------------------------------------
+
+    async def submit_forward_backward(self, datums: list[dict[str, Any]]) -> None:
+        """Queue one forward-backward pass (importance_sampling) and return without waiting for it."""
+        from tinker import types
+
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(d["input"]),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData(data=d["target"], dtype="int64"),
+                    "weights": types.TensorData(data=d["weights"], dtype="float32"),
+                    "logprobs": types.TensorData(data=d["logprobs"], dtype="float32"),
+                    "advantages": types.TensorData(data=d["advantages"], dtype="float32"),
+                },
+            )
+            for d in datums
+        ]
+        self.pending.append(
+            await self._call("forward_backward", self.training.forward_backward_async(data, "importance_sampling"))
+        )
+
+    async def optim_step(self) -> dict[str, float]:
+        """Queue the optimizer step behind the passes, wait for all of them; the step's metrics."""
+        from tinker import types
+
+        lr = float(self.schedule.get_last_lr()[0])
+        params = types.AdamParams(learning_rate=lr, **adam_params(self.optim))
+        step = await self._call("optim_step", self.training.optim_step_async(params), timed=True)
+        pending, self.pending = self.pending, []
+        for future in pending:
+            await self._call("forward_backward", future.result_async(), timed=True)
+        result = await self._call("optim_step", step.result_async(), timed=True)
+        self.weights_version += 1
+        metrics = {"lr": lr}
+        for key, value in (result.metrics or {}).items():
+            if key.endswith("grad_norm"):
+                metrics["grad_norm"] = float(value)
+        metrics.setdefault("grad_norm", float("nan"))  # the service reports none
+        metrics["service_wait_s"], self.wait_s = self.wait_s, 0.0
+        return metrics
+
+    async def end_of_step(self) -> float:
+        """Advance verl's learning-rate schedule by one training step; the next step's rate."""
+        self.schedule.step()
+        self.schedule_steps += 1
+        return float(self.schedule.get_last_lr()[0])
+
+    # -- sampling ----------------------------------------------------------------------------------
+
+    async def update_sampler(self) -> None:
+        """Save the current weights for sampling; every later sample uses them."""
+        if self.sampler_version == self.weights_version:
+            return
+        self.sampler = await self._call(
+            "save_weights_for_sampler", self.training.save_weights_and_get_sampling_client_async()
+        )
+        self.sampler_version = self.weights_version
+
+    async def sample(self, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
+        """One response: its tokens, their log-probs and Tinker's stop reason ("stop" or "length")."""
+        from tinker import types
+
+        sampling = types.SamplingParams(max_tokens=int(max_tokens), **params)
+        response = await self._call(
+            "sample", self.sampler.sample_async(types.ModelInput.from_ints(prompt), 1, sampling)
+        )
+        sequence = response.sequences[0]
+        return {
+            "tokens": [int(t) for t in sequence.tokens],
+            "logprobs": None if sequence.logprobs is None else [float(v) for v in sequence.logprobs],
+            "stop_reason": str(sequence.stop_reason),
+        }
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    async def save(self, name: str) -> dict[str, Any]:
+        """Save weights and optimizer state on the service; what a resume needs to find them."""
+        result = await self._call("save_state", _submitted(self.training.save_state_async(name)))
+        return {
+            "tinker_path": str(result.path),
+            "model_id": str(self.training.model_id),
+            "base_model": self.base_model,
+            "schedule_steps": self.schedule_steps,
+        }
+
+    async def load(self, state: dict[str, Any]) -> None:
+        """Continue from ``save``'s state: a new training client from the checkpoint, with its optimizer."""
+        previous = self.training
+        # The SDK's async variant awaits its REST client on the caller's loop, which is not the SDK's own
+        # ("AsyncTinker client called from incorrect event loop", tinker 0.25): the blocking one, in a thread.
+        path = str(state["tinker_path"])
+        self.training = await self._call(
+            f"load_state {path}",
+            asyncio.to_thread(self.service.create_training_client_from_state_with_optimizer, path),
+        )
+        self.model_ids.append(str(self.training.model_id))
+        if previous is not None and str(previous.model_id) in self.model_ids:
+            await self._unload(str(previous.model_id))
+        self.schedule = lr_schedule(self.optim)
+        for _ in range(int(state.get("schedule_steps", 0))):
+            self.schedule.step()
+        self.schedule_steps = int(state.get("schedule_steps", 0))
+        self.weights_version += 1  # cached log-probs and the sampler are of the old weights
+        await self.update_sampler()
+
+    async def info(self) -> dict[str, Any]:
+        return {
+            "model_id": None if self.training is None else str(self.training.model_id),
+            "models": list(self.model_ids),
+            "weights_version": self.weights_version,
+            "sampler_version": self.sampler_version,
+        }
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    async def _unload(self, model_id: str) -> None:
+        """Unload a model (the SDK has no public call for it in 0.25: its own request, on its own loop)."""
+        from tinker import types
+        from tinker.lib.api_future_impl import _APIFuture
+        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+
+        holder = self.service.holder
+
+        async def request() -> Any:
+            start = time.time()
+            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+                future = await client.models.unload(request=types.UnloadModelRequest(model_id=model_id))
+            return await _APIFuture(types.UnloadModelResponse, holder, future, start, "UnloadModel").result_async()
+
+        await self._call("unload_model", holder.run_coroutine_threadsafe(request()), timeout=UNLOAD_TIMEOUT_S)
+        self.model_ids.remove(model_id)
+
+    async def _call(self, what: str, awaitable: Any, *, timed: bool = False, timeout: float | None = None) -> Any:
+        """Await one request to the service, at most ``remote_backend.timeout_s``; its failure as a TinkerError.
+
+        ``timed``: a training call, whose wait counts towards ``service_wait_s``. The SDK retries a lost
+        connection for up to five minutes on its own; the timeout bounds that too.
+        """
+        import tinker
+
+        start = time.perf_counter()
+        timeout = float(self.settings["timeout_s"]) if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            raise TinkerError(
+                f"Tinker call {what} ({self.settings['base_url']}): no answer within {timeout:g} s "
+                "(remote_backend.timeout_s)"
+            ) from None
+        except tinker.APIStatusError as exc:
+            raise TinkerError(
+                f"Tinker call {what} ({self.settings['base_url']}): HTTP {exc.status_code}: {_one_line(exc.message)}"
+            ) from None
+        except (tinker.TinkerError, ValueError, OSError) as exc:  # the SDK reports failed futures as ValueError
+            raise TinkerError(
+                f"Tinker call {what} ({self.settings['base_url']}): {type(exc).__name__}: {_one_line(str(exc))}"
+            ) from None
+        finally:
+            if timed:
+                self.wait_s += time.perf_counter() - start
+
+
+class TinkerError(RuntimeError):
+    """A request to the service failed: the call, the service's address and its answer, on one line."""
+
+
+async def _submitted(submission: Any) -> Any:
+    """The result of a request submitted with one of the SDK's ``*_async`` calls (which return a future)."""
+    future = await submission
+    return await future.result_async()
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def adam_params(optim: dict[str, Any]) -> dict[str, float]:
+    """verl's AdamW settings (``actor_rollout_ref.actor.optim``) as Tinker's ``AdamParams``, less the rate."""
+    betas = list(optim.get("betas") or (0.9, 0.999))
+    override = optim.get("override_optimizer_config") or {}
+    return {
+        "beta1": float(betas[0]),
+        "beta2": float(betas[1]),
+        "eps": float(override.get("eps", 1e-8)),  # torch.optim.AdamW's, which verl builds
+        "weight_decay": float(optim.get("weight_decay", 0.0)),
+        "grad_clip_norm": float(optim.get("clip_grad") or 0.0),
+    }
+
+
+def lr_schedule(optim: dict[str, Any]) -> Any:
+    """verl's own learning-rate schedule (constant or cosine, with warmup) over a stand-in parameter."""
+    import torch
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(optim["lr"]))
+    optimizer.step()  # a no-op (no gradient), so that torch does not warn that the schedule steps first
+    total = max(int(optim.get("total_training_steps", 1)), 1)
+    warmup = int(optim.get("lr_warmup_steps", -1))
+    if warmup <= 0:
+        warmup = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * total)
+    if optim.get("lr_scheduler_type", "constant") == "cosine":
+        return get_cosine_schedule_with_warmup(
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total,
+            min_lr_ratio=float(optim.get("min_lr_ratio", 0.0)),
+            num_cycles=float(optim.get("num_cycles", 0.5)),
+            zero_indexed_step=bool(optim.get("zero_indexed_step", True)),
+        )
+    return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)

@@ -1,0 +1,109 @@
+"""The Tinker forwarder: verl's log-prob and actor-update calls as Tinker API requests.
+
+**Log-probs.** A row of ``n`` tokens is one ``Datum``: the first ``n - 1`` tokens in, the last ``n - 1`` as
+targets; ``forward`` returns the log-prob of each target, which is verl's predict-next layout less its last
+position (0). The reference's come from a sampler of the base model (``compute_logprobs``), the LoRA off.
+
+**The update.** verl's loss (:func:`verl_remote.compute.actor_loss`, whatever its policy loss, KL term and
+aggregation) is a function of the current log-prob ``l_t`` of each response token. Its gradient with
+respect to the model is ``sum_t g_t * dl_t`` with ``g_t = dL/dl_t``, which the forwarder computes with torch
+from the log-probs the service returned. The service is then sent its own ``importance_sampling`` loss,
+``-exp(l_t - s_t) * A_t`` per token, with ``s_t = l_t`` (ratio 1) and ``A_t = -g_t * c_i``: its gradient is
+verl's. ``c_i`` undoes the service's reduction: 1 where the service sums over tokens (Tinker's documented
+semantics), ``sum(weights_i) * rows`` where it takes each sequence's mean and then the mean over the
+sequences of the step (SkyRL). The log-probs at the current weights are the ones ``compute_log_prob`` just
+fetched for the first mini-batch of a step (the session keeps them), and a ``forward`` for the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from verl_remote.compute import actor_loss
+from verl_remote.worker import RemoteForwarderWorker
+from verl_tinker.backend import TinkerBackend
+
+__all__ = ["TinkerForwarderWorker", "linearised_datums"]
+
+
+class TinkerForwarderWorker(RemoteForwarderWorker):
+    backend: TinkerBackend
+
+    def backend_log_probs(
+        self, data: TensorDict, *, temperature: float, calculate_entropy: bool, reference: bool
+    ) -> tuple[Any, Any]:
+        if temperature != 1.0:
+            raise ValueError(f"a Tinker service scores tokens at temperature 1 only, not {temperature}")
+        ids = data["input_ids"]
+        rows = _rows(ids)
+        values = self.backend.reference(rows) if reference else self.backend.forward(rows)
+        flat = torch.from_numpy(np.concatenate([np.append(v, 0.0) for v in values]).astype(np.float32))
+        offsets = ids.offsets()
+        # Tinker returns no distribution: the entropy metric reads 0 (docs/tinker-backend.md).
+        return _jagged(flat, offsets), _jagged(torch.zeros_like(flat), offsets)
+
+    def backend_forward_backward(self, mini_batch: TensorDict, meta: dict[str, Any]) -> dict[str, float]:
+        ids = mini_batch["input_ids"]
+        rows = _rows(ids)
+        current = self.backend.forward(rows, update=True)
+        leaf = torch.tensor(np.concatenate([np.append(v, 0.0) for v in current]), dtype=torch.float32)
+        leaf.requires_grad_(True)
+        loss, metrics = actor_loss(_jagged(leaf, ids.offsets()), mini_batch, meta, self.config.actor)
+        loss.backward()
+        assert leaf.grad is not None
+        datums = linearised_datums(
+            rows, current, leaf.grad.numpy(), mini_batch["response_mask"], self.backend.reduction
+        )
+        self.backend.submit_forward_backward(datums)
+        return metrics
+
+    def backend_optimizer_step(self) -> dict[str, float]:
+        return self.backend.optim_step()
+
+    def backend_end_of_step(self) -> float | None:
+        return self.backend.end_of_step()
+
+
+def linearised_datums(
+    rows: list[list[int]], current: list[np.ndarray], grad: np.ndarray, response_mask: Any, reduction: str
+) -> list[dict[str, Any]]:
+    """One importance-sampling datum per row whose gradient, under the service's reduction, is ``grad``'s.
+
+    ``grad`` is dL/dl over the rows back to back in verl's layout (``n_i`` values per row, the last one 0);
+    ``current`` the service's log-probs (``n_i - 1`` per row); ``response_mask`` the jagged mask (``r_i``).
+    """
+    masks = [m.to(torch.float32).numpy() for m in response_mask.unbind()]
+    out: list[dict[str, Any]] = []
+    start = 0
+    for row, logprobs, mask in zip(rows, current, masks, strict=True):
+        n, r = len(row), len(mask)
+        g = grad[start : start + n]
+        start += n
+        first = n - r - 1  # the target position of the first response token
+        weights = np.zeros(n - 1, dtype=np.float32)
+        weights[first:] = mask
+        scale = 1.0 if reduction == "sum" else float(mask.sum()) * len(rows)
+        advantages = np.zeros(n - 1, dtype=np.float32)
+        advantages[first:] = -g[first : n - 1] * scale
+        out.append(
+            {
+                "input": [int(t) for t in row[:-1]],
+                "target": [int(t) for t in row[1:]],
+                "weights": weights.tolist(),
+                "logprobs": np.asarray(logprobs, dtype=np.float32).tolist(),
+                "advantages": advantages.tolist(),
+            }
+        )
+    return out
+
+
+def _rows(ids: torch.Tensor) -> list[list[int]]:
+    return [[int(t) for t in row.tolist()] for row in ids.unbind()]
+
+
+def _jagged(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch.nested.nested_tensor_from_jagged(flat, offsets.to(flat.device))

@@ -1,0 +1,190 @@
+"""verl-tinker's mapping of verl's settings and loss onto the Tinker API, without a service.
+
+The gradient the service applies is checked against the real SkyRL server in test_tinker_server.py; here,
+the arithmetic of what is sent, the settings refused, and the optimizer and schedule mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl_remote.compose import compose_config
+from verl_remote.compute import actor_loss
+from verl_tinker.backend import TinkerBackend, check_objective, loss_reduction
+from verl_tinker.session import adam_params, lr_schedule
+from verl_tinker.worker import linearised_datums
+
+
+def _jagged(rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.tensor(r, dtype=dtype) for r in rows], layout=torch.jagged)
+
+
+def _mini_batch() -> tuple[list[list[int]], dict[str, Any], list[np.ndarray]]:
+    """Two rows (prompt 3 + response 2, prompt 2 + response 3), verl's fields, the service's log-probs."""
+    rows = [[5, 6, 7, 8, 9], [5, 6, 10, 11, 12]]
+    current = [np.array([-1.0, -2.0, -1.5, -0.5], np.float32), np.array([-1.2, -0.7, -2.2, -0.3], np.float32)]
+    batch = {
+        "input_ids": _jagged([[float(t) for t in r] for r in rows]).to(torch.long),
+        "prompts": _jagged([[5, 6, 7], [5, 6]]).to(torch.long),
+        "responses": _jagged([[8, 9], [10, 11, 12]]).to(torch.long),
+        "response_mask": _jagged([[1, 1], [1, 1, 1]]),
+        "old_log_probs": _jagged([[-1.6, -0.4], [-0.6, -2.0, -0.3]]),
+        "advantages": _jagged([[1.0, 1.0], [-0.5, -0.5, -0.5]]),
+    }
+    return rows, batch, current
+
+
+def _actor(*overrides: str) -> Any:
+    """verl's composed actor config (the run's), with overrides."""
+    return compose_config(["actor_rollout_ref.actor.ppo_mini_batch_size=2", *overrides]).actor_rollout_ref.actor
+
+
+def _grad(rows: list[list[int]], batch: dict[str, Any], current: list[np.ndarray], actor: Any) -> np.ndarray:
+    leaf = torch.tensor(np.concatenate([np.append(v, 0.0) for v in current]), dtype=torch.float32, requires_grad=True)
+    log_probs = torch.nested.nested_tensor_from_jagged(leaf, batch["input_ids"].offsets())
+    meta = {"dp_size": 1, "batch_num_tokens": 5, "global_batch_size": 2}
+    loss, _ = actor_loss(log_probs, batch, meta, actor)
+    loss.backward()
+    assert leaf.grad is not None
+    return leaf.grad.numpy()
+
+
+def _surrogate_gradient(datums: list[dict[str, Any]], reduction: str) -> list[np.ndarray]:
+    """d(service loss)/d(target log-prob) for the importance_sampling loss at ratio 1, as the service reduces it.
+
+    sum: Tinker's documented ``-(ratio * advantages).sum()``. sequence_mean: SkyRL's JAX backend
+    (skyrl/tinker/loss_fns.py importance_sampling_loss; skyrl/backends/jax.py loss_for_lora divides each
+    sequence by its weights' sum, AccumulatedGradients.get_mean by the number of sequences).
+    """
+    out = []
+    for d in datums:
+        per_token = -np.asarray(d["advantages"]) * np.asarray(d["weights"] if reduction != "sum" else 1.0)
+        if reduction == "sequence_mean":
+            per_token = per_token / max(float(np.sum(d["weights"])), 1e-9) / len(datums)
+        out.append(per_token)
+    return out
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sequence_mean"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",),
+        (
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        ),
+        ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1"),
+    ],
+    ids=["vanilla-token-mean", "seq-mean-token-mean", "gspo", "kl"],
+)
+def test_the_service_gets_verls_gradient_whatever_its_reduction(overrides: tuple[str, ...], reduction: str) -> None:
+    actor = _actor(*overrides)
+    rows, batch, current = _mini_batch()
+    if actor.use_kl_loss:
+        batch["ref_log_prob"] = _jagged([[-1.4, -0.6], [-0.8, -1.8, -0.2]])
+    grad = _grad(rows, batch, current, actor)
+    datums = linearised_datums(rows, current, grad, batch["response_mask"], reduction)
+    applied = _surrogate_gradient(datums, reduction)
+    start = 0
+    for row, d, got in zip(rows, datums, applied, strict=True):
+        n = len(row)
+        want = grad[start : start + n - 1]  # dL/dl at each target position; the last position predicts nothing
+        start += n
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        assert d["input"] == row[:-1] and d["target"] == row[1:]
+        assert len(d["logprobs"]) == len(d["weights"]) == len(d["advantages"]) == n - 1
+    assert any(np.abs(a).max() > 0 for a in applied)  # a gradient to send, not zeros
+
+
+def test_prompt_tokens_carry_no_weight_and_masked_response_tokens_none() -> None:
+    rows, batch, current = _mini_batch()
+    batch["response_mask"] = _jagged([[1, 0], [1, 1, 1]])
+    grad = _grad(rows, batch, current, _actor())
+    datums = linearised_datums(rows, current, grad, batch["response_mask"], "sequence_mean")
+    assert datums[0]["weights"] == [0.0, 0.0, 1.0, 0.0]
+    assert datums[0]["advantages"][:2] == [0.0, 0.0] and datums[0]["advantages"][3] == 0.0
+    assert datums[1]["weights"] == [0.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("actor", "rollout", "message"),
+    [
+        ({"entropy_coeff": 0.01}, {}, "actor_rollout_ref.actor.entropy_coeff=0.01"),
+        ({}, {"temperature": 0.7}, "actor_rollout_ref.rollout.temperature=0.7"),
+        ({"optim": {"optimizer": "SGD"}}, {}, "actor_rollout_ref.actor.optim.optimizer=SGD"),
+    ],
+)
+def test_settings_a_tinker_service_cannot_honour_are_refused(
+    actor: dict[str, Any], rollout: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_objective(actor, rollout)
+
+
+def test_the_objectives_it_can_compute_pass() -> None:
+    check_objective({"entropy_coeff": 0.0, "use_kl_loss": True, "optim": {"optimizer": "AdamW"}}, {"temperature": 1})
+
+
+def test_verls_adamw_settings_become_adam_params() -> None:
+    optim = {"lr": 1e-5, "betas": [0.9, 0.98], "weight_decay": 0.1, "clip_grad": 0.5}
+    assert adam_params(optim) == {
+        "beta1": 0.9,
+        "beta2": 0.98,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "grad_clip_norm": 0.5,
+    }
+    assert adam_params({**optim, "override_optimizer_config": {"eps": 1e-6}})["eps"] == 1e-6
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine"])
+def test_the_learning_rate_follows_verls_own_schedule(kind: str) -> None:
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    optim = {"lr": 1e-3, "lr_scheduler_type": kind, "lr_warmup_steps": 3, "total_training_steps": 10}
+    ours = lr_schedule(optim)
+    model = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    model.step()
+    if kind == "cosine":
+        theirs = get_cosine_schedule_with_warmup(model, num_warmup_steps=3, num_training_steps=10)
+    else:
+        theirs = get_constant_schedule_with_warmup(model, num_warmup_steps=3)
+    seen = []
+    for _ in range(10):
+        assert ours.get_last_lr() == theirs.get_last_lr()
+        seen.append(ours.get_last_lr()[0])
+        ours.step()
+        theirs.step()
+    assert seen[0] < seen[3]  # the warmup is there
+
+
+def test_loss_reduction_takes_an_explicit_value_and_refuses_others() -> None:
+    assert loss_reduction({"loss_reduction": "sum", "base_url": "http://127.0.0.1:1"}) == "sum"
+    with pytest.raises(ValueError, match="remote_backend.loss_reduction=mean: use one of auto, sum, sequence_mean"):
+        loss_reduction({"loss_reduction": "mean", "base_url": "http://127.0.0.1:1"})
+
+
+def _config(**backend: Any) -> Any:
+    return OmegaConf.create(
+        {
+            "remote_backend": {"loss_reduction": "auto", "connect_timeout_s": 1, **backend},
+            "actor_rollout_ref": {"actor": {"entropy_coeff": 0.0}, "rollout": {"temperature": 1.0}},
+        }
+    )
+
+
+def test_preflight_names_the_missing_base_url() -> None:
+    with pytest.raises(ValueError, match=r"remote_backend.base_url is not set: .*verl_tinker.local_server"):
+        TinkerBackend.preflight(_config(base_url=None))
+
+
+def test_preflight_names_an_address_where_nothing_answers(dead_url: str) -> None:
+    with pytest.raises(ValueError, match=f"remote_backend.base_url={dead_url}: nothing answers there"):
+        TinkerBackend.preflight(_config(base_url=dead_url))

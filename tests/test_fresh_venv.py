@@ -43,18 +43,24 @@ def _clean_env() -> dict[str, str]:
 
 def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind: Any) -> None:
     wheels = tmp_path / "wheels"
-    for project in (ROOT, ROOT / "dists" / "verl-arctic", TEST_PACKAGES / "echo-backend"):
+    for project in (
+        ROOT,
+        ROOT / "dists" / "verl-arctic",
+        ROOT / "dists" / "verl-tinker",
+        TEST_PACKAGES / "echo-backend",
+    ):
         out = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", wheels, project, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
     core = next(wheels.glob("verl_remote-*.whl"))
     arctic = next(wheels.glob("verl_arctic-*.whl"))
+    tinker = next(wheels.glob("verl_tinker-*.whl"))
     echo = next(wheels.glob("verl_remote_echo_backend-*.whl"))
 
     venv = tmp_path / "venv"
     assert run(sys.executable, "-m", "venv", venv).returncode == 0
     bin_dir = venv / "bin"
     constraints = ROOT / "constraints" / "cpu.txt"
-    out = run(bin_dir / "pip", "install", "-c", constraints, core, arctic, echo, timeout=1200, env=_clean_env())
+    out = run(bin_dir / "pip", "install", "-c", constraints, core, arctic, tinker, echo, timeout=1200, env=_clean_env())
     assert out.returncode == 0, out.stderr[-3000:]
 
     work = tmp_path / "elsewhere"  # not the checkout, so nothing resolves from the source tree
@@ -72,12 +78,17 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
         ["arctic", "verl-arctic", "0.1.0", "pkg://verl_arctic/remote_backend/arctic.yaml", "ok"],
         ["echo", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/echo.yaml", "ok"],
         ["local", "verl-remote", "0.1.0", "pkg://verl_remote.backends.local/remote_backend/local.yaml", "ok"],
+        ["tinker", "verl-tinker", "0.1.0", "pkg://verl_tinker/remote_backend/tinker.yaml", "ok"],
         ["twin", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/twin.yaml", "ok"],
     ]
 
     code, stdout, stderr = in_venv(bin_dir / "verl-remote", "config", "remote_backend=arctic")
     assert code == 0, stderr
     assert yaml.safe_load(stdout)["remote_backend"]["comms"]["url"] == "http://127.0.0.1:7000"
+
+    code, stdout, stderr = in_venv(bin_dir / "verl-remote", "config", "remote_backend=tinker")
+    assert code == 0, stderr
+    assert yaml.safe_load(stdout)["remote_backend"]["api_key_env"] == "TINKER_API_KEY"
 
     code, stdout, stderr = in_venv(
         bin_dir / "verl-remote", "config", "remote_backend=echo", "remote_backend.state_dir=/x"
@@ -111,4 +122,5 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
     assert code == 0, stdout + stderr
     assert re.fullmatch(r"doctor: \d+ checks passed, 0 failed", stdout.splitlines()[-1]), stdout
     assert "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads" in stdout
+    assert "[ok  ] Ray worker: backend tinker (verl-tinker 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads" in stdout

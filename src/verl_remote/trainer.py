@@ -128,6 +128,17 @@ class RemotePPOTrainer(PPOTrainerSync):
     #: Print the run summary at the end of ``fit`` (verl's own launcher); ``verl-remote train`` prints it itself.
     print_summary = True
 
+    #: Seconds between verl's checks that a step's samples are in. verl's replay buffer waits 2 s between
+    #: checks, so every step's generation took a multiple of 2 s however fast the service sampled
+    #: (docs/measurements.md); the check reads the buffer's own counters, so checking often costs nothing.
+    replay_poll_s = 0.05
+
+    def _build_replay_buffer(self) -> Any:
+        buffer = super()._build_replay_buffer()
+        if hasattr(buffer, "poll_interval"):
+            buffer.poll_interval = min(float(buffer.poll_interval), self.replay_poll_s)
+        return buffer
+
     def init(self) -> None:
         try:
             super().init()

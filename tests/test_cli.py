@@ -65,6 +65,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         "[ok  ] backend arctic (verl-arctic 0.1.0) loads",
         "[ok  ] backend arctic: config group remote_backend/arctic composes",
         "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads",
+        "[ok  ] backend tinker (verl-tinker 0.1.0) loads",
+        "[ok  ] backend tinker: config group remote_backend/tinker composes",
+        "[ok  ] Ray worker: backend tinker (verl-tinker 0.1.0) loads",
     ]
     for prefix in expected_ok:
         assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
@@ -74,8 +77,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
             assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
     example = "[ok  ] backend bigram (verl-remote-bigram 0.1.0) loads"  # installed like any wheel
     assert any(line.startswith(example) for line in lines)
-    # 4 environment checks, 3 for each of arctic, bigram, echo, local and faulty; 2 for each broken registration.
-    assert lines[-1] == "doctor: 19 checks passed, 18 failed"
+    # 4 environment checks, 3 for each of arctic, bigram, echo, local, faulty and tinker; 2 for each broken
+    # registration.
+    assert lines[-1] == "doctor: 22 checks passed, 18 failed"
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from verl_tinker.local_server import LocalServerError, find_python312, start_local_server
+from verl_tinker.local_server import STOP_GRACE, LocalServerError, find_python312, start_local_server
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
@@ -133,7 +133,8 @@ def test_cli_runs_until_sigint_and_leaves_nothing(tmp_path: Path) -> None:
         assert len(server_sessions) == 1  # the server runs in a session of its own
 
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=20) == 0
+        # Stopping waits STOP_GRACE for SkyRL's own shutdown, then kills what is left and waits again.
+        assert process.wait(timeout=2 * STOP_GRACE + 30) == 0
         (server_sid,) = server_sessions
         assert wait_gone(server_sid, timeout=1) == []
         assert wait_gone(process.pid, timeout=1) == []

@@ -586,12 +586,16 @@ class _Stop(Exception):
 
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the foreground loop as Ctrl-C does, so that the server is stopped."""
+    """SIGTERM, SIGHUP and SIGINT end the foreground loop, so that the server is stopped.
+
+    SIGINT too: a shell starts a background job (``python -m verl_tinker.local_server ... &``) with SIGINT
+    ignored, and Python then never raises KeyboardInterrupt, so ``kill -INT`` would leave the server running.
+    """
 
     def handler(signum: int, frame: types.FrameType | None) -> None:
         raise _Stop(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     try:
         yield
     finally:

@@ -648,12 +648,12 @@ def main(argv: list[str] | None = None) -> int:
             _say("interrupted before the server was ready")
             return 130
         with server:
-            print(
-                f"{PREFIX} SkyRL Tinker server ready at {server.url} (model {server.model}); "
-                f"train with: verl-remote train remote_backend=tinker remote_backend.base_url={server.url}",
-                flush=True,
-            )
-            try:
+            try:  # a signal may come as soon as the ready line is out
+                print(
+                    f"{PREFIX} SkyRL Tinker server ready at {server.url} (model {server.model}); "
+                    f"train with: verl-remote train remote_backend=tinker remote_backend.base_url={server.url}",
+                    flush=True,
+                )
                 while server.returncode is None:
                     time.sleep(0.5)
             except (KeyboardInterrupt, _Stop):

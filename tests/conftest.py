@@ -137,6 +137,22 @@ def tinker_server() -> Iterator[Any]:
         yield server
 
 
+def steps(stdout: str) -> list[int]:
+    """The training steps a run printed (verl's ``step:N`` lines), in order."""
+    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
+
+
+def read_until(proc: subprocess.Popen[str], marker: str) -> list[str]:
+    """The lines of a background run's merged output up to the first holding ``marker``; fails if it ends first."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            return seen
+    raise AssertionError(f"the run ended before {marker!r}:\n" + "".join(seen[-40:]))
+
+
 def processes_in(folder: Path) -> dict[int, str]:
     """Processes whose working directory is ``folder`` or below, pid -> command line.
 

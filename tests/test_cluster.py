@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, faulty_calls, free_port, processes_in, run
+from conftest import cli, faulty_calls, free_port, processes_in, run, steps
 
 pytestmark = [pytest.mark.train, pytest.mark.cluster]
 
@@ -116,8 +116,7 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
 def _steps(text: str) -> list[int]:
     """The steps the run printed, in order. Nodes on one machine share Ray's session folder, so each node's log
     monitor forwards every worker's lines: a line can arrive once per node."""
-    steps = [int(part.split(":")[1]) for part in text.split() if part.startswith("step:") and part[5:].isdigit()]
-    return list(dict.fromkeys(steps))
+    return list(dict.fromkeys(steps(text)))
 
 
 def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(

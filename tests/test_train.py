@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import ROOT, cli, faulty_calls, run
+from conftest import ROOT, cli, faulty_calls, run, steps
 from verl_remote.watchdog import BOUND_S
 
 pytestmark = pytest.mark.train
@@ -31,10 +31,6 @@ QUICK = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
 def _train(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     args = ["train", *overrides, f"trainer.default_local_dir={tmp_path / 'ckpt'}", *QUICK]
     return cli(*args, cwd=tmp_path, timeout=timeout)
-
-
-def _steps(stdout: str) -> list[int]:
-    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
 
 
 def _checkpoint_checksum(actor_dir: Path) -> str:
@@ -50,7 +46,7 @@ def _checkpoint_checksum(actor_dir: Path) -> str:
 def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(tmp_path: Path, ray_left_behind: Any) -> None:
     out = _train(tmp_path, "trainer.total_training_steps=2", "trainer.logger=[console,file]")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _steps(out.stdout)[-2:] == [1, 2]
+    assert steps(out.stdout)[-2:] == [1, 2]
     assert "actor/pg_loss:" in out.stdout and "perf/mfu/actor:" in out.stdout
     summary = out.stdout.strip().splitlines()[-1]
     assert summary.startswith("verl-remote: 2 steps (1-2); mean reward "), summary
@@ -79,7 +75,7 @@ def test_save_then_resume_continues_at_the_next_step_with_the_saved_weights(tmp_
 
     second = _train(tmp_path, "--verbose", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert _steps(second.stdout) == [3]
+    assert steps(second.stdout) == [3]
     assert "Started a local Ray instance" in second.stderr  # --verbose: every process's output on the console
     assert (
         f"verl-remote: local engine loaded {step2 / 'actor' / 'local_engine'} (weights sha256 {saved})" in second.stdout
@@ -129,7 +125,7 @@ def test_ctrl_c_and_sigterm_destroy_the_backend_once_and_the_run_resumes_from_th
     calls.unlink()
     resumed = _train(tmp_path, *args[:2], "trainer.total_training_steps=4", "trainer.save_freq=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _steps(resumed.stdout) == [3, 4]
+    assert steps(resumed.stdout) == [3, 4]
     assert faulty_calls(calls) == [
         "load_checkpoint 2",
         "update_weights",
@@ -181,7 +177,7 @@ def test_a_sampler_failure_stops_that_step_with_the_samplers_own_error(tmp_path:
         last,
     )
     assert failed is not None, last
-    assert _steps(out.stdout) == list(range(1, int(failed.group(1))))
+    assert steps(out.stdout) == list(range(1, int(failed.group(1))))
     assert "replay buffer" not in out.stdout + out.stderr
     # Each request's failure is logged by verl's agent loop: the console shows it once and counts the rest.
     assert (out.stdout + out.stderr).count("injected failure in generate") == 2, out.stderr[-3000:]
@@ -250,10 +246,10 @@ def test_a_second_run_in_the_same_folder_is_refused_and_one_in_another_folder_ru
     assert first.poll() is None
     beside = _train(other, "trainer.total_training_steps=1")
     assert beside.returncode == 0, beside.stderr[-3000:]
-    assert _steps(beside.stdout) == [1]
+    assert steps(beside.stdout) == [1]
     rest, _ = first.communicate(timeout=600)
     assert first.returncode == 0, rest[-3000:]
-    assert _steps(rest) == [1, 2, 3, 4, 5, 6]
+    assert steps(rest) == [1, 2, 3, 4, 5, 6]
     assert ray_left_behind() == {}
 
 
@@ -275,7 +271,7 @@ def test_a_damaged_latest_checkpoint_is_named_and_passed_over_for_the_previous_o
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"the latest checkpoint, global_step_4, cannot be resumed: {weights} has 100 bytes, " in resumed.stdout
     assert "resuming from global_step_2, the newest complete one" in resumed.stdout
-    assert _steps(resumed.stdout) == [3, 4]
+    assert steps(resumed.stdout) == [3, 4]
     assert f"(weights sha256 {saved})" in resumed.stdout
 
 
@@ -303,7 +299,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(
     calls.unlink()
     resumed = _train(tmp_path, *args, "trainer.total_training_steps=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _steps(resumed.stdout) == [3, 4]
+    assert steps(resumed.stdout) == [3, 4]
     assert f"(weights sha256 {saved})" in resumed.stdout
     assert faulty_calls(calls)[0] == "load_checkpoint 2"
 
@@ -324,7 +320,7 @@ def test_verls_own_launcher_trains_with_the_backend_given_the_printed_overrides(
     env = {**os.environ, "RAY_ADDRESS": "local"}
     out = run(*launch, "trainer.total_training_steps=2", env=env, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _steps(out.stdout) == [1, 2]
+    assert steps(out.stdout) == [1, 2]
     assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", out.stdout)
     assert faulty_calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}
@@ -333,6 +329,6 @@ def test_verls_own_launcher_trains_with_the_backend_given_the_printed_overrides(
     calls.unlink()
     resumed = run(*launch, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _steps(resumed.stdout) == [3]
+    assert steps(resumed.stdout) == [3]
     assert faulty_calls(calls)[0] == "load_checkpoint 2"
     assert ray_left_behind() == {}

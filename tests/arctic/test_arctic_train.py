@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ROOT, cli, free_port
+from conftest import ROOT, cli, free_port, read_until, steps
 
 pytestmark = pytest.mark.train
 
@@ -69,22 +69,8 @@ def _start(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
     return subprocess.Popen([script, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _read_until(proc: subprocess.Popen[str], marker: str) -> list[str]:
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line:
-            return seen
-    raise AssertionError(f"the run ended before {marker!r}:\n" + "".join(seen[-40:]))
-
-
 def _jobs(url: str) -> dict[str, object]:
     return dict(httpx.get(f"{url}/status", timeout=10).json()["jobs"])
-
-
-def _steps(stdout: str) -> list[int]:
-    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
 
 
 def _train(tmp_path: Path, url: str, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -97,7 +83,7 @@ def test_grpo_trains_against_the_arctic_server_and_destroys_its_jobs(server: tup
     url, _generation = server
     out = _train(tmp_path, url, "trainer.total_training_steps=2")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _steps(out.stdout)[-2:] == [1, 2]
+    assert steps(out.stdout)[-2:] == [1, 2]
     # The sampler got the trained weights each step: its log-probs are the trainer's.
     diffs = [float(p.split(":")[1]) for p in out.stdout.split() if p.startswith("training/rollout_probs_diff_max:")]
     assert len(diffs) == 2 and max(diffs) < 1e-4
@@ -114,7 +100,7 @@ def test_resume_from_an_arctic_checkpoint(server: tuple[str, str], tmp_path: Pat
     second = _train(tmp_path, url, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
     if generation == "main":
         assert second.returncode == 0, second.stderr[-3000:]
-        assert _steps(second.stdout) == [3]
+        assert steps(second.stdout) == [3]
     else:
         assert second.returncode == 1
         assert "Arctic protocol v0.1 at" in second.stderr and "has no load-checkpoint call" in second.stderr
@@ -150,7 +136,7 @@ def test_the_backend_can_launch_the_service_and_stops_it_at_the_end(tmp_path: Pa
     launch = f"{sys.executable} -m verl_arctic.testing.server --port {port} --api main"
     out = _train(tmp_path, url, "trainer.total_training_steps=1", f"remote_backend.comms.launch='{launch}'")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _steps(out.stdout)[-1:] == [1]
+    assert steps(out.stdout)[-1:] == [1]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
 
@@ -195,7 +181,7 @@ def test_a_sampler_without_log_probs_fails_the_step_in_its_own_words_or_trains_w
             "actor_rollout_ref.rollout.calculate_log_probs=false",
         )
         assert without.returncode == 0, without.stderr[-3000:]
-        assert _steps(without.stdout)[-1:] == [1]
+        assert steps(without.stdout)[-1:] == [1]
         assert "training/rollout_probs_diff_max" not in without.stdout
 
 
@@ -205,7 +191,7 @@ def test_sigterm_destroys_the_runs_jobs_and_the_same_command_resumes(tmp_path: P
     with _serving("main", tmp_path) as url:
         run = ["trainer.total_training_steps=4", "trainer.save_freq=2"]
         proc = _start(tmp_path, url, *run)
-        _read_until(proc, "step:2 ")
+        read_until(proc, "step:2 ")
         assert _jobs(url) != {}
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=300)
@@ -216,7 +202,7 @@ def test_sigterm_destroys_the_runs_jobs_and_the_same_command_resumes(tmp_path: P
 
         resumed = _train(tmp_path, url, *run)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert _steps(resumed.stdout) == [3, 4]
+        assert steps(resumed.stdout) == [3, 4]
         assert "left by a run that did not end cleanly" not in resumed.stderr
         assert _jobs(url) == {}
 
@@ -229,7 +215,7 @@ def test_a_server_killed_mid_run_stops_that_step_in_arctics_words_and_the_run_re
     run = ["trainer.total_training_steps=20", "trainer.save_freq=2"]
     with _serving("main", tmp_path, port=port) as url:
         proc = _start(tmp_path, url, *run)
-        _read_until(proc, "step:2 ")
+        read_until(proc, "step:2 ")
         server = subprocess.run(
             ["pgrep", "-f", f"verl_arctic.testing.server --port {port}"], capture_output=True, text=True
         )
@@ -250,7 +236,7 @@ def test_a_server_killed_mid_run_stops_that_step_in_arctics_words_and_the_run_re
     with _serving("main", tmp_path, port=port) as url:  # the service is back (empty, as after a restart)
         resumed = _train(tmp_path, url, "trainer.total_training_steps=4", "trainer.save_freq=2")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert _steps(resumed.stdout) == [3, 4]
+        assert steps(resumed.stdout) == [3, 4]
         assert _jobs(url) == {}
 
 
@@ -279,7 +265,7 @@ def test_after_the_driver_is_killed_the_next_run_removes_its_jobs_and_resumes(
 
         resumed = _train(tmp_path, url, "trainer.total_training_steps=4", "trainer.save_freq=2")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert _steps(resumed.stdout) == [3, 4]
+        assert steps(resumed.stdout) == [3, 4]
         for kind, job in left["jobs"].items():
             assert f"destroyed {kind} job {job} on {url}, left by a run that did not end cleanly" in resumed.stderr
         assert _jobs(url) == {} and not (ckpt / "arctic_jobs.json").exists()

@@ -25,7 +25,7 @@ import pytest
 from conversation import TRAINING_RANKS, Observation, converse
 from real.vendor import real_arctic_server
 
-from conftest import cli, free_port, serving_test_server
+from conftest import cli, free_port, serving_test_server, steps
 from verl_remote.demo.assets import ensure_demo_assets
 
 pytestmark = pytest.mark.arctic_real
@@ -82,10 +82,6 @@ def test_our_test_server_answers_every_route_as_arctics_own_server(
     assert (tmp_path / "arctic-server.log").stat().st_size > 0
 
 
-def _steps(stdout: str) -> list[int]:
-    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
-
-
 @pytest.mark.train
 def test_verl_remote_trains_against_arctics_own_server(generation: str, arctic: str, tmp_path: Path) -> None:
     """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client."""
@@ -103,6 +99,6 @@ def test_verl_remote_trains_against_arctics_own_server(generation: str, arctic: 
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert _steps(out.stdout)[-2:] == [1, 2]
+    assert steps(out.stdout)[-2:] == [1, 2]
     diffs = [float(p.split(":")[1]) for p in out.stdout.split() if p.startswith("training/rollout_probs_diff_max:")]
     assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cli, free_port
+from conftest import cli, free_port, read_until, steps
 from verl_remote.compose import compose_config
 from verl_remote.compute import actor_loss
 from verl_tinker.local_server import LocalServer, start_local_server
@@ -40,10 +40,6 @@ def _loaded(server: LocalServer) -> list[str]:
         return [m for (m,) in db.execute("select model_id from models where status != 'unloaded'")]
 
 
-def _steps(stdout: str) -> list[int]:
-    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
-
-
 def _train(tmp_path: Path, url: str, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     args = ["train", "remote_backend=tinker", f"remote_backend.base_url={url}", *QUICK]
     return cli(*args, f"trainer.default_local_dir={tmp_path / 'ckpt'}", *overrides, cwd=tmp_path, timeout=timeout)
@@ -54,16 +50,6 @@ def _start(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
     args = ["train", "remote_backend=tinker", f"remote_backend.base_url={url}", *QUICK]
     args += [f"trainer.default_local_dir={tmp_path / 'ckpt'}", *overrides]
     return subprocess.Popen([script, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _read_until(proc: subprocess.Popen[str], marker: str) -> list[str]:
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line:
-            return seen
-    raise AssertionError(f"the run ended before {marker!r}:\n" + "".join(seen[-40:]))
 
 
 def test_verl_tinker_passes_every_conformance_check(
@@ -168,7 +154,7 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights(
 ) -> None:
     first = _train(tmp_path, tinker_server.url, "trainer.total_training_steps=2", "trainer.save_freq=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert _steps(first.stdout) == [1, 2]
+    assert steps(first.stdout) == [1, 2]
     # The sampler got the trained weights each step: its log-probs are the trainer's.
     diffs = [float(v) for v in re.findall(r"training/rollout_probs_diff_max:([0-9.e-]+)", first.stdout)]
     assert len(diffs) == 2 and max(diffs) < 1e-4
@@ -179,7 +165,7 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights(
 
     second = _train(tmp_path, tinker_server.url, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert _steps(second.stdout) == [3]
+    assert steps(second.stdout) == [3]
     # Resumed from the service's own checkpoint (weights and optimizer): the first step's old log-probs are
     # those of the step-2 weights, so the sampler (synced on load) and the trainer agree from the start.
     diffs = [float(v) for v in re.findall(r"training/rollout_probs_diff_max:([0-9.e-]+)", second.stdout)]
@@ -207,7 +193,7 @@ def test_a_service_error_mid_run_stops_the_run_in_one_line_and_leaves_nothing_ru
     """The service loses the run's model between two steps (its stale-session cleanup does this): the next
     call fails with the service's own answer; the run stops, destroys its backend, leaves no process."""
     proc = _start(tmp_path, tinker_server.url, "trainer.total_training_steps=20")
-    _read_until(proc, "step:1 ")
+    read_until(proc, "step:1 ")
     [model] = _loaded(tinker_server)
     answer = httpx.post(f"{tinker_server.url}/api/v1/unload_model", json={"model_id": model}, timeout=30)
     assert answer.status_code == 200, answer.text
@@ -223,7 +209,7 @@ def test_a_service_error_mid_run_stops_the_run_in_one_line_and_leaves_nothing_ru
 def test_a_service_killed_mid_run_stops_the_run_within_its_timeout(tmp_path: Path, ray_left_behind: Any) -> None:
     with start_local_server(workdir=tmp_path / "server") as server:
         proc = _start(tmp_path, server.url, "trainer.total_training_steps=20", "remote_backend.timeout_s=20")
-        _read_until(proc, "step:1 ")
+        read_until(proc, "step:1 ")
         server.stop()  # the service goes away, as a crashed or preempted node does
         killed_at = time.monotonic()
         rest, _ = proc.communicate(timeout=600)

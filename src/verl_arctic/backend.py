@@ -397,6 +397,16 @@ def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[by
         time.sleep(0.5)
 
 
+def _resumes(main_config: Any) -> bool:
+    """Whether verl will load a checkpoint: resume_mode=resume_path, or auto with a checkpoint in the folder."""
+    from verl_remote.checkpoints import TRACKER
+
+    trainer = main_config.trainer
+    mode = str(trainer.get("resume_mode", "auto"))
+    folder = str(trainer.default_local_dir)
+    return mode == "resume_path" or (mode == "auto" and os.path.isfile(os.path.join(folder, TRACKER)))
+
+
 class ArcticBackend(RemoteBackend):
     """Jobs on one Arctic server; every process holds its own HTTP client to it."""
 
@@ -519,6 +529,12 @@ class ArcticBackend(RemoteBackend):
                 f"remote_backend.comms.api={api}, but the Arctic server at {url} speaks protocol {generation}; "
                 f"set remote_backend.comms.api={generation} (or auto)"
             )
+        if generation != "main" and _resumes(main_config):
+            raise ValueError(
+                f"Arctic protocol {generation} at {url} has no load-checkpoint call, so a run cannot resume on it "
+                f"(trainer.default_local_dir={main_config.trainer.default_local_dir} holds a checkpoint); resume "
+                "against a server that speaks the main protocol, or set trainer.resume_mode=disable to start over"
+            )
         client = ArcticClient(url, generation, token=token, connect_timeout=timeout, retries=0)
         try:
             check_server_size(client, settings)
@@ -531,7 +547,8 @@ class ArcticBackend(RemoteBackend):
     def reconnect_handle(self) -> dict[str, Any]:
         return {"url": self.client.url, "generation": self.client.generation, "jobs": dict(self.jobs)}
 
-    def requires_single_forwarder(self) -> bool:
+    @classmethod
+    def requires_single_forwarder(cls) -> bool:
         # Arctic runs its own data parallelism: one caller per mini-batch, one optimizer step each.
         return True
 

@@ -24,7 +24,9 @@ __all__ = ["RemoteBackend"]
 # un-awaited coroutine, or "object is not awaitable" inside verl's loop), so the
 # mismatch is rejected when the subclass is defined.
 _ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy")
-_SYNC_METHODS = ("reconnect_handle", "requires_single_forwarder")
+_SYNC_METHODS = ("reconnect_handle",)
+# Asked before anything exists (the preflight), so they are classmethods.
+_CLASS_METHODS = ("from_config", "preflight", "requires_single_forwarder")
 
 
 class RemoteBackend(abc.ABC):
@@ -48,7 +50,7 @@ class RemoteBackend(abc.ABC):
             method = cls.__dict__.get(name)
             if method is not None and inspect.iscoroutinefunction(method):
                 raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} must be a plain 'def', not 'async def'")
-        for name in ("from_config", "preflight"):
+        for name in _CLASS_METHODS:
             method = cls.__dict__.get(name)
             if method is not None and not isinstance(method, classmethod):
                 raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} must be a classmethod")
@@ -94,11 +96,14 @@ class RemoteBackend(abc.ABC):
         ids, Ray actor names); never a secret: read tokens from the environment.
         """
 
-    def requires_single_forwarder(self) -> bool:
+    @classmethod
+    def requires_single_forwarder(cls) -> bool:
         """Whether the service needs every verl call to come from one forwarder.
 
         Services that run their own data parallelism want one caller per step;
-        the trainer then refuses layouts with more than one forwarder worker.
+        ``verl-remote train`` then refuses a layout with more than one forwarder
+        worker before anything starts (and the trainer, under verl's own launcher,
+        before the first step). A classmethod: it is asked before the backend exists.
         """
         return False
 

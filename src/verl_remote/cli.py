@@ -95,7 +95,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     config = prepare_config(compose_config(args.overrides, recipe=args.recipe))
     name = str(config.remote_backend.name)
     defaults = compose_config([f"remote_backend={name}"], recipe=args.recipe)
-    for note in run_preflight(config, defaults, load_backend_class(name).preflight):
+    backend = load_backend_class(name)
+    for note in run_preflight(
+        config, defaults, backend.preflight, single_forwarder=backend.requires_single_forwarder()
+    ):
         print(f"verl-remote: {note}", flush=True)
     folder = str(config.trainer.default_local_dir)
     with hold_run_folder(folder):  # another run there: exit 2

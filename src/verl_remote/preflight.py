@@ -10,6 +10,7 @@ exits 2. What is checked:
 - files and folders the run reads: the data files, the model and tokenizer
   (a name that is not a local path is noted as one the hub must provide);
 - the checkpoint folder is writable; the checkpoint a resume would load exists;
+- a backend that needs one forwarder worker is not given several;
 - the backend's own preflight (:meth:`verl_remote.RemoteBackend.preflight`):
   its service reachable, the right protocol, credentials present.
 """
@@ -26,7 +27,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_remote.compose import ConfigError
 
-__all__ = ["NUMERIC_KEYS", "PreflightError", "run_preflight"]
+__all__ = ["NUMERIC_KEYS", "PreflightError", "check_layout", "run_preflight"]
 
 
 class PreflightError(ConfigError):
@@ -193,8 +194,22 @@ def check_resume(config: DictConfig) -> list[str]:
     return [choice.note] if choice.note else []
 
 
+def check_layout(config: DictConfig, name: str, single_forwarder: bool) -> None:
+    """A backend that needs every call from one forwarder (``requires_single_forwarder``) gets one."""
+    forwarders = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    if single_forwarder and forwarders != 1:
+        raise PreflightError(
+            f"backend '{name}' needs exactly one forwarder worker, but trainer.n_gpus_per_node * trainer.nnodes = "
+            f"{forwarders}: set trainer.n_gpus_per_node=1 trainer.nnodes=1"
+        )
+
+
 def run_preflight(
-    config: DictConfig, defaults: DictConfig, backend_preflight: Callable[[DictConfig], None] | None = None
+    config: DictConfig,
+    defaults: DictConfig,
+    backend_preflight: Callable[[DictConfig], None] | None = None,
+    *,
+    single_forwarder: bool = False,
 ) -> list[str]:
     """Every check, the backend's last; the notes worth printing. Raises :class:`PreflightError`."""
     check_types(config, defaults)
@@ -202,6 +217,7 @@ def run_preflight(
     notes = check_model(config)
     check_output(config)
     notes += check_resume(config)
+    check_layout(config, str(config.remote_backend.name), single_forwarder)
     if backend_preflight is not None:
         try:
             backend_preflight(config)

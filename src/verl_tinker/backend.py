@@ -154,7 +154,8 @@ class TinkerBackend(RemoteBackend):
     def reconnect_handle(self) -> dict[str, Any]:
         return {**self.service.handle(), "reduction": self.reduction}
 
-    def requires_single_forwarder(self) -> bool:
+    @classmethod
+    def requires_single_forwarder(cls) -> bool:
         # One training client, one optimizer: several forwarders would each step it per mini-batch.
         return True
 

@@ -129,7 +129,11 @@ class Conformance:
 
         # A KL term on, so that the reference path and the loss's KL term are checked too (overrides win).
         kl = "actor_rollout_ref.actor.use_kl_loss=true"
-        config = compose_config([kl, f"remote_backend={self.name}", *self.overrides])
+        # The run's folder is the check's own temporary one, never the caller's working directory: a backend may
+        # hand it to its service (Arctic's training job saves there). Removed by the cleanup.
+        self.state.folder = tempfile.mkdtemp(prefix="verl-remote-check-")
+        folder = f"trainer.default_local_dir={self.state.folder}"
+        config = compose_config([kl, folder, f"remote_backend={self.name}", *self.overrides])
         _expect(
             config.remote_backend.get("name") == self.name,
             f"the group file's name is {config.remote_backend.get('name')!r}",
@@ -353,7 +357,6 @@ class Conformance:
 
     def check_checkpoint(self) -> str:
         """save, train, load: load_checkpoint restores the log-probs of the save exactly."""
-        self.state.folder = tempfile.mkdtemp(prefix="verl-remote-check-")
         path = os.path.join(self.state.folder, "global_step_1", "actor")
         os.makedirs(path)
         rows, responses = self._sample_rows(max_tokens=4)

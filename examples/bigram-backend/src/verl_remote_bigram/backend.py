@@ -35,7 +35,8 @@ class BigramBackend(RemoteBackend):
     def reconnect_handle(self) -> dict[str, Any]:
         return self.service.handle()
 
-    def requires_single_forwarder(self) -> bool:
+    @classmethod
+    def requires_single_forwarder(cls) -> bool:
         return True  # one service, one optimizer: one caller per step
 
     async def update_weights(self) -> None:

@@ -51,7 +51,8 @@ class LocalBackend(RemoteBackend):
     def reconnect_handle(self) -> dict[str, Any]:
         return self.service.handle()
 
-    def requires_single_forwarder(self) -> bool:
+    @classmethod
+    def requires_single_forwarder(cls) -> bool:
         # One engine owns one optimizer: several forwarders would step it once each per mini-batch.
         return True
 

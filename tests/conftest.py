@@ -1,7 +1,16 @@
-"""Shared fixtures. The tests run against the real verl, Ray and Hydra.
+"""Shared fixtures and helpers. The tests run against the real verl, Ray and Hydra.
 
 They need the test backends under tests/packages installed into the same
 environment (``nox -s tests`` does it); they fail, not skip, without them.
+
+What is expensive is set up once and shared (CONTRIBUTING.md, "The suite's budget"):
+
+- :func:`train_runs`: a session cache of ``verl-remote train`` runs, keyed by their overrides. A test that needs
+  a run of a configuration another test has asks for the same run and asserts on it; a test that resumes
+  copies the run's checkpoint folder (:meth:`Run.clone`) instead of training again.
+- the Arctic test server as its own process, one per protocol generation and module (:func:`arctic_process`);
+- SkyRL's Tinker server, one per session (:func:`tinker_server`);
+- refusals of the CLI, run in this process (:func:`cli_main`) instead of a new interpreter that imports verl.
 """
 
 from __future__ import annotations
@@ -14,7 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -24,6 +34,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEST_PACKAGES = ROOT / "tests" / "packages"
 REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend", "verl-remote-faulty-backend")
+
+#: Settings of every test run: no validation before the first step, none during the run.
+QUICK = ("trainer.val_before_train=false", "trainer.test_freq=-1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,6 +53,44 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+#: The modules that take longest, longest first (docs/measurements.md, "The test suite"). They start first, so that
+#: the two workers of ``nox -s tests`` (pytest-xdist, a module per worker at a time, in collection order) end
+#: together rather than one waiting on a long module started last. A new long module belongs in this list.
+LONGEST_FIRST = (
+    "tests/arctic/test_arctic_train.py",
+    "tests/test_train.py",
+    "tests/tinker_service/test_tinker_server.py",
+    "tests/arctic/test_real_server.py",
+    "tests/test_cluster.py",
+    "tests/test_fresh_venv.py",
+    "tests/test_check.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order otherwise
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The suite's wall time per module, slowest first, after pytest's own list of the slowest tests."""
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown") and hasattr(report, "duration"):
+                module = report.nodeid.split("::")[0]
+                seconds[module] = seconds.get(module, 0.0) + report.duration
+    if not seconds:
+        return
+    terminalreporter.section("time per module")
+    for module, spent in sorted(seconds.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{spent:8.1f}s  {module}")
+    terminalreporter.write_line(f"{sum(seconds.values()):8.1f}s  in all")
+
+
+# -- commands ----------------------------------------------------------------------------------------
+
+
 def run(
     *args: str | os.PathLike[str],
     env: dict[str, str] | None = None,
@@ -52,13 +103,42 @@ def run(
     )
 
 
+def script(name: str = "verl-remote") -> str:
+    """A console script of this environment (``verl-remote``, ``ray``)."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent))
+    assert found is not None, f"the {name} console script is not installed in this environment"
+    return found
+
+
 def cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run the installed ``verl-remote`` console script, with ``env`` added to this environment."""
-    script = shutil.which("verl-remote", path=str(Path(sys.executable).parent))
-    assert script is not None, "the verl-remote console script is not installed in this environment"
-    return run(script, *args, env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd)
+    return run(script(), *args, env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd)
+
+
+@pytest.fixture
+def cli_main(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., tuple[int, str, str]]:
+    """A function: ``verl-remote ARGV`` in this process, working in the test's folder; returns (exit code,
+    stdout, stderr). For commands that end before Ray starts (refusals, config, list); a run that trains is a
+    process of its own (:func:`train`)."""
+    import ray
+
+    from verl_remote import cli as verl_remote_cli
+
+    monkeypatch.chdir(tmp_path)
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        had_ray = ray.is_initialized()  # a module's own Ray instance (ray_cluster)
+        code = verl_remote_cli.main(list(argv))
+        out = capsys.readouterr()
+        assert ray.is_initialized() == had_ray, "the command started Ray in the test process"
+        return code, out.out, out.err
+
+    return call
 
 
 def python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -66,16 +146,188 @@ def python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -
     return run(sys.executable, "-c", code, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[Any]:
-    """A real local Ray cluster for one test module, stopped at its end."""
+def train(
+    folder: Path, *overrides: str, timeout: float = 900, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``verl-remote train OVERRIDES`` run in ``folder``, with its checkpoints in ``folder/ckpt`` and :data:`QUICK`
+    (options such as ``--recipe`` and ``--verbose`` go first in ``overrides``)."""
+    args = ["train", *overrides, f"trainer.default_local_dir={folder / 'ckpt'}", *QUICK]
+    return cli(*args, cwd=folder, timeout=timeout, env=env)
+
+
+def start(folder: Path, *overrides: str, output: bool = True) -> subprocess.Popen[str]:
+    """:func:`train` in the background; its console merged into one stream to read line by line
+    (:func:`read_until`), or discarded with ``output=False``."""
+    command = [script(), "train", *overrides, f"trainer.default_local_dir={folder / 'ckpt'}", *QUICK]
+    sink = subprocess.PIPE if output else subprocess.DEVNULL
+    return subprocess.Popen(command, cwd=folder, stdout=sink, stderr=subprocess.STDOUT, text=True)
+
+
+def steps(stdout: str) -> list[int]:
+    """The training steps a run printed (verl's ``step:N`` lines), in order."""
+    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
+
+
+def metric(stdout: str, name: str) -> list[float]:
+    """Every value of verl's metric ``name`` a run printed, in step order."""
+    return [float(part.split(":", 1)[1]) for part in stdout.split() if part.startswith(f"{name}:")]
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def read_until(proc: subprocess.Popen[str], marker: str) -> list[str]:
+    """The lines of a background run's merged output up to the first holding ``marker``; fails if it ends first."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            return seen
+    raise AssertionError(f"the run ended before {marker!r}:\n" + "".join(seen[-40:]))
+
+
+# -- shared training runs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished ``verl-remote train`` run: its folder (checkpoints in ``folder/ckpt``) and its output."""
+
+    folder: Path
+    out: subprocess.CompletedProcess[str]
+
+    @property
+    def ckpt(self) -> Path:
+        return self.folder / "ckpt"
+
+    def ok(self) -> Run:
+        """This run, after checking that it succeeded."""
+        assert self.out.returncode == 0, self.out.stdout[-3000:] + self.out.stderr[-3000:]
+        return self
+
+    def clone(self, folder: Path) -> Path:
+        """A copy of this run's checkpoint folder as ``folder/ckpt`` (the folder a :func:`train` in ``folder``
+        resumes from), so that resuming never changes the shared run. Returns ``folder``."""
+        shutil.copytree(self.ckpt, folder / "ckpt", ignore=shutil.ignore_patterns(".verl-remote.lock", "logs"))
+        return folder
+
+
+class TrainRuns:
+    """``verl-remote train`` runs of this test session, each run once per distinct list of overrides.
+
+    ``{folder}`` in an override is the run's own folder (for a file the run writes, such as a calls log).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._runs: dict[tuple[str, ...], Run] = {}
+
+    def __call__(self, *overrides: str, timeout: float = 900) -> Run:
+        if overrides not in self._runs:
+            folder = self.root / f"run-{len(self._runs)}"
+            folder.mkdir(parents=True)
+            words = [word.replace("{folder}", str(folder)) for word in overrides]
+            self._runs[overrides] = Run(folder, train(folder, *words, timeout=timeout))
+        return self._runs[overrides]
+
+    def add(self, overrides: tuple[str, ...], made: Run) -> None:
+        """A run of ``overrides`` a test made itself (beside another, say), for the tests that ask for it."""
+        assert overrides not in self._runs, f"a run of {overrides} was made already"
+        self._runs[overrides] = made
+
+
+@pytest.fixture(scope="session")
+def train_runs(tmp_path_factory: pytest.TempPathFactory) -> TrainRuns:
+    """The session's cache of training runs (see :class:`TrainRuns`)."""
+    return TrainRuns(tmp_path_factory.mktemp("runs"))
+
+
+# -- processes ----------------------------------------------------------------------------------------
+
+
+def processes_in(folder: Path) -> dict[int, str]:
+    """Processes whose working directory is ``folder`` or below, pid -> command line.
+
+    A run's driver, Ray's GCS, raylet and agents, and every Ray worker work in the folder the run was started
+    in, so this finds what is left of a run started in a test's own folder, and nothing of other runs. The test
+    process itself is not counted (``cli_main`` works in the test's folder).
+    """
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone, or not ours
+            continue
+        if cwd == folder or folder in cwd.parents:
+            found[int(entry.name)] = command
+    return found
+
+
+def left_behind(folder: Path, grace_s: float = 20.0) -> dict[int, str]:
+    """The processes of runs started in ``folder`` still alive after a grace period (workers exit shortly
+    after their raylet)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = processes_in(folder)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def ray_left_behind(tmp_path: Path) -> Callable[..., dict[int, str]]:
+    """A function: the processes of runs started in this test's folder still alive after a grace period."""
+    return lambda grace_s=20.0: left_behind(tmp_path, grace_s)
+
+
+def faulty_calls(log: Path) -> list[str]:
+    """The faulty test backend's lifecycle calls in ``log`` (its ``calls_log``), in order, without the process ids;
+    none when it recorded nothing."""
+    return [line.split(" pid=")[0] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@contextlib.contextmanager
+def _local_ray() -> Iterator[Any]:
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A real local Ray instance in this process for one test module (8 logical CPUs, as a run has), stopped at
+    its end."""
+    with _local_ray() as ray:
+        yield ray
+
+
+@pytest.fixture
+def ray_instance() -> Iterator[Any]:
+    """:func:`ray_cluster` for one test."""
+    with _local_ray() as ray:
+        yield ray
+
+
+def live_actors(grace_s: float = 10.0) -> list[str]:
+    """Class names of the actors still alive in this process's Ray instance after a grace period: what a
+    check or service left behind. (Ray's state API needs the dashboard, which the test instance does not run.)"""
+    from ray._private.state import actors
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [a["ActorClassName"] for a in actors().values() if a["State"] != "DEAD"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
 
 
 # -- the Arctic test server (tests/arctic) ---------------------------------------------------
@@ -119,9 +371,44 @@ def serving_test_server(generation: str, **flags: Any) -> Iterator[str]:
 
 @pytest.fixture(params=["v0.1", "main"])
 def arctic_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """(url, generation) of a running test server, stopped after the test."""
+    """(url, generation) of a running test server in this process, stopped after the test."""
     with serving_test_server(str(request.param)) as url:
         yield url, str(request.param)
+
+
+@contextlib.contextmanager
+def arctic_process(generation: str, log: Path, *flags: str, port: int | None = None) -> Iterator[str]:
+    """The Arctic test server as its own process (``python -m verl_arctic.testing.server``), as a user runs it;
+    its URL, stopped on exit. Its output goes to ``log``."""
+    import httpx
+
+    port = port or free_port()
+    command = [sys.executable, "-m", "verl_arctic.testing.server", "--port", str(port), "--api", generation, *flags]
+    with log.open("a") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        try:
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def arctic_jobs(url: str) -> dict[str, object]:
+    """The jobs an Arctic server holds (its ``/status``)."""
+    import httpx
+
+    return dict(httpx.get(f"{url}/status", timeout=10).json()["jobs"])
+
+
+# -- SkyRL's Tinker server (tests/tinker_service) ----------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -135,60 +422,3 @@ def tinker_server() -> Iterator[Any]:
 
     with start_local_server() as server:
         yield server
-
-
-def steps(stdout: str) -> list[int]:
-    """The training steps a run printed (verl's ``step:N`` lines), in order."""
-    return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
-
-
-def read_until(proc: subprocess.Popen[str], marker: str) -> list[str]:
-    """The lines of a background run's merged output up to the first holding ``marker``; fails if it ends first."""
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line:
-            return seen
-    raise AssertionError(f"the run ended before {marker!r}:\n" + "".join(seen[-40:]))
-
-
-def processes_in(folder: Path) -> dict[int, str]:
-    """Processes whose working directory is ``folder`` or below, pid -> command line.
-
-    A run's driver, Ray's GCS, raylet and agents, and every Ray worker work in the folder the run was started
-    in, so this finds what is left of a run started in a test's own folder, and nothing of other runs.
-    """
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cwd = Path(os.readlink(entry / "cwd"))
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone, or not ours
-            continue
-        if cwd == folder or folder in cwd.parents:
-            found[int(entry.name)] = command
-    return found
-
-
-def faulty_calls(log: Path) -> list[str]:
-    """The faulty test backend's lifecycle calls in ``log`` (its ``calls_log``), in order, without the process ids;
-    none when it recorded nothing."""
-    return [line.split(" pid=")[0] for line in log.read_text().splitlines()] if log.exists() else []
-
-
-@pytest.fixture
-def ray_left_behind(tmp_path: Path) -> Any:
-    """A function: the processes of runs started in this test's folder still alive after a grace period."""
-
-    def left(grace_s: float = 20.0) -> dict[int, str]:
-        deadline = time.monotonic() + grace_s  # workers exit shortly after their raylet
-        while True:
-            found = processes_in(tmp_path)
-            if not found or time.monotonic() > deadline:
-                return found
-            time.sleep(0.5)
-
-    return left

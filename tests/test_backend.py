@@ -62,7 +62,7 @@ def test_sync_override_of_an_async_method_is_rejected_at_definition(method: str)
         _complete_backend(**{method: lambda self, *args: None})
 
 
-@pytest.mark.parametrize("method", ["reconnect_handle", "requires_single_forwarder"])
+@pytest.mark.parametrize("method", ["reconnect_handle"])
 def test_async_override_of_a_sync_method_is_rejected_at_definition(method: str) -> None:
     async def coroutine(self: Any) -> Any:
         return {}
@@ -71,9 +71,16 @@ def test_async_override_of_a_sync_method_is_rejected_at_definition(method: str) 
         _complete_backend(**{method: coroutine})
 
 
-def test_from_config_must_be_a_classmethod() -> None:
-    with pytest.raises(TypeError, match="from_config must be a classmethod"):
-        _complete_backend(from_config=lambda self, config, handle=None: self)
+@pytest.mark.parametrize("method", ["from_config", "preflight", "requires_single_forwarder"])
+def test_what_is_asked_before_the_backend_exists_must_be_a_classmethod(method: str) -> None:
+    with pytest.raises(TypeError, match=f"{method} must be a classmethod"):
+        _complete_backend(**{method: lambda self, *args, **kwargs: self})
+
+    async def coroutine(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+    with pytest.raises(TypeError, match=rf"Backend\.{method} must be a plain 'def'"):
+        _complete_backend(**{method: classmethod(coroutine)})
 
 
 def test_echo_backend_lifecycle_through_a_handle(tmp_path: Path) -> None:

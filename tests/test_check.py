@@ -1,17 +1,22 @@
-"""`verl-remote check`: the conformance checks pass for in-tree backends and name the defect of broken ones."""
+"""`verl-remote check`: the conformance checks pass for in-tree backends and name the defect of broken ones.
+
+The command itself is run once, on the local backend (its lines, summary and exit code, and that nothing of it
+is left); the other backends are checked through :func:`verl_remote.testing.check_backend`, as a backend's own
+tests call it, on one Ray instance in this process.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import ROOT, cli, run
+from conftest import ROOT, cli, live_actors
 
-pytestmark = pytest.mark.train  # each run starts a Ray instance and the demo's model (about 45 s)
+pytestmark = pytest.mark.train  # a check starts the demo's model in Ray workers (seconds to a minute)
 
 CHECK_NAMES = [
     "spec", "contract", "from_config", "reconnect_handle", "worker_reattaches", "sampler_reattaches",
@@ -23,12 +28,27 @@ def _marks(stdout: str) -> dict[str, str]:
     return dict((name, mark.strip()) for mark, name in re.findall(r"^\[(ok  |FAIL|skip)\] (\w+)", stdout, re.M))
 
 
+def _checked(name: str, *overrides: str) -> str:
+    """The check lines of ``check_backend(name, overrides)``, as ``verl-remote check`` prints them."""
+    from verl_remote.testing import check_backend
+
+    lines = "\n".join(result.line() for result in check_backend(name, overrides))
+    assert live_actors() == []
+    return lines
+
+
 def test_the_local_backend_passes_every_check_and_leaves_nothing(tmp_path: Path, ray_left_behind: Any) -> None:
     out = cli("check", "local", cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert _marks(out.stdout) == dict.fromkeys(CHECK_NAMES, "ok")
     assert out.stdout.splitlines()[-1] == f"check local: {len(CHECK_NAMES)} passed, 0 failed"
     assert ray_left_behind() == {}
+
+
+def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones(cli_main: Any) -> None:
+    code, _out, err = cli_main("check", "nope")
+    assert code == 2
+    assert "nope" in err and "local" in err
 
 
 @pytest.mark.faults
@@ -41,36 +61,37 @@ def test_the_local_backend_passes_every_check_and_leaves_nothing(tmp_path: Path,
     ],
 )
 def test_a_broken_backend_fails_the_check_that_names_its_defect(
-    tmp_path: Path, ray_left_behind: Any, defect: str, failing: str, fix: str
+    ray_cluster: Any, defect: str, failing: str, fix: str
 ) -> None:
-    out = cli("check", "faulty", f"remote_backend.defect={defect}", cwd=tmp_path, timeout=900)
-    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    marks = _marks(out.stdout)
+    out = _checked("faulty", f"remote_backend.defect={defect}")
+    marks = _marks(out)
     position = CHECK_NAMES.index(failing)
     assert [marks[n] for n in CHECK_NAMES[:position]] == ["ok"] * position  # everything before it passes
     assert marks[failing] == "FAIL"
     assert all(marks[n] == "skip" for n in CHECK_NAMES[position + 1 : -1])
     assert marks["destroy"] == "ok"  # the backend is destroyed whatever failed
-    failure = out.stdout.split(f"[FAIL] {failing}")[1].split("\n[")[0]  # its line and its fix
+    failure = out.split(f"[FAIL] {failing}")[1].split("\n[")[0]  # its line and its fix
     assert "fix: " in failure and fix in failure
-    assert ray_left_behind() == {}
 
 
-def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones() -> None:
-    out = cli("check", "nope")
-    assert out.returncode == 2
-    assert "nope" in out.stderr and "local" in out.stderr
+def test_the_example_backend_passes_every_check_from_its_own_test_file(ray_cluster: Any) -> None:
+    """examples/bigram-backend: a third party's backend, checked by its author's own test function."""
+    path = ROOT / "examples" / "bigram-backend" / "tests" / "test_conformance.py"
+    spec = importlib.util.spec_from_file_location("bigram_conformance", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.test_the_bigram_backend_conforms()
+    assert live_actors() == []
 
 
-def test_the_example_backend_passes_every_check_from_its_own_pytest_file(tmp_path: Path, ray_left_behind: Any) -> None:
-    """examples/bigram-backend: a third party's backend, checked as its author would check it."""
-    out = run(
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", ROOT / "examples" / "bigram-backend" / "tests",
-        cwd=tmp_path, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "1 passed" in out.stdout
-    assert ray_left_behind() == {}
+def test_a_backend_without_verl_remotes_bases_fails_the_contract_check(ray_cluster: Any) -> None:
+    """The echo test backend is a lifecycle stub: its worker is not a forwarder, so it cannot train."""
+    out = _checked("echo")
+    marks = _marks(out)
+    assert marks["spec"] == "ok" and marks["contract"] == "FAIL"
+    assert "EchoWorker'> is not a subclass of verl_remote.worker.RemoteForwarderWorker" in out
+    assert marks["destroy"] == "skip"  # no backend was made
 
 
 def test_the_example_backend_trains(tmp_path: Path, ray_left_behind: Any) -> None:
@@ -81,13 +102,3 @@ def test_the_example_backend_trains(tmp_path: Path, ray_left_behind: Any) -> Non
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3}", out.stdout)
     assert ray_left_behind() == {}
-
-
-def test_a_backend_without_verl_remotes_bases_fails_the_contract_check(tmp_path: Path) -> None:
-    """The echo test backend is a lifecycle stub: its worker is not a forwarder, so it cannot train."""
-    out = cli("check", "echo", cwd=tmp_path, timeout=600)
-    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    marks = _marks(out.stdout)
-    assert marks["spec"] == "ok" and marks["contract"] == "FAIL"
-    assert "EchoWorker'> is not a subclass of verl_remote.worker.RemoteForwarderWorker" in out.stdout
-    assert marks["destroy"] == "skip"  # no backend was made

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from conftest import cli
 
 
-@pytest.mark.parametrize("command", [[], ["list"], ["config"], ["doctor"]])
-def test_every_command_has_help(command: list[str]) -> None:
-    out = cli(*command, "--help")
+def test_every_command_has_help(cli_main: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    out = cli("--help")  # the console script itself
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: verl-remote")
+    for command in (["list"], ["config"], ["doctor"], ["train"], ["check"]):
+        with pytest.raises(SystemExit) as exited:
+            cli_main(*command, "--help")
+        assert exited.value.code == 0
+        assert capsys.readouterr().out.startswith("usage: verl-remote " + command[0])
 
 
 def test_no_command_is_a_usage_error() -> None:
@@ -20,10 +26,12 @@ def test_no_command_is_a_usage_error() -> None:
     assert "the following arguments are required: COMMAND" in out.stderr
 
 
-def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one() -> None:
-    out = cli("list")
-    assert out.returncode == 1  # broken backends are installed in the test environment
-    lines = out.stdout.splitlines()
+def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one(
+    cli_main: Any,
+) -> None:
+    code, stdout, _err = cli_main("list")
+    assert code == 1  # broken backends are installed in the test environment
+    lines = stdout.splitlines()
     assert lines[0].split() == ["NAME", "DISTRIBUTION", "CONFIG", "GROUP", "STATUS"]
     rows = {line.split()[0]: line for line in lines[1:] if not line.startswith("twin")}
     echo = rows["echo"].split()
@@ -99,9 +107,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         (["actor_rollout_ref.model.path=verl-remote://demo/nope"], "unknown demo asset 'verl-remote://demo/nope'"),
     ],
 )
-def test_train_rejects_bad_input_before_starting_anything(overrides: list[str], message: str) -> None:
-    out = cli("train", *overrides)
-    assert out.returncode == 2
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr
-    assert "step:" not in out.stdout
+def test_train_rejects_bad_input_before_starting_anything(overrides: list[str], message: str, cli_main: Any) -> None:
+    code, stdout, stderr = cli_main("train", *overrides)
+    assert code == 2
+    assert message in stderr
+    assert "Traceback" not in stderr
+    assert "step:" not in stdout

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, faulty_calls, free_port, processes_in, run, steps
+from conftest import QUICK, cli, faulty_calls, free_port, processes_in, run, script, steps
 
 pytestmark = [pytest.mark.train, pytest.mark.cluster]
 
-QUICK = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
-RAY = str(Path(sys.executable).parent / "ray")
+RAY = script("ray")
 
 
 class LocalCluster:
@@ -99,14 +98,16 @@ class LocalCluster:
                 time.sleep(0.2)
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A head node with no CPUs and two worker nodes (4 and 5 CPUs), for the module."""
     if shutil.which("unshare") is None:
         pytest.fail("the cluster tests need util-linux's unshare (a node with its own mounts)")
-    folder = tmp_path / "cluster"
-    folder.mkdir()
+    folder = tmp_path_factory.mktemp("cluster")
     started = LocalCluster(folder)
     try:
+        started.add_node(num_cpus=4)
+        started.add_node(num_cpus=5)
         yield started
     finally:
         started.stop()
@@ -119,15 +120,14 @@ def _steps(text: str) -> list[int]:
     return list(dict.fromkeys(steps(text)))
 
 
-def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
+def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_as_it_found_it(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    cluster.add_node(num_cpus=8)
     calls = tmp_path / "calls.txt"
     backend = ["remote_backend=faulty", f"remote_backend.calls_log={calls}"]
 
     done = cluster.cli(
-        "job", "submit", "--", *_verl_remote(), "train", *backend, *QUICK,
+        "job", "submit", "--", script(), "train", *backend, *QUICK, "trainer.save_freq=2",
         "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         timeout=600,
     )  # fmt: skip
@@ -135,14 +135,36 @@ def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
     assert "succeeded" in done.stdout + done.stderr
     assert _steps(done.stdout) == [1, 2]
     assert "joining a running Ray cluster" in done.stdout
+    assert "verl-remote: the 2 nodes with CPUs see the run's data, model and folder" in done.stdout
     assert faulty_calls(calls).count("destroy") == 1
+
+    head = cluster.head_node_id()
+    placed = {(a["class_name"], a["node_id"]) for a in cluster.listed("actors") if a["class_name"] != "JobSupervisor"}
+    classes = {name for name, _ in placed}
+    assert {"RemoteTaskRunner", "LocalEngine", "FaultyServer"} <= classes, classes  # FaultyServer: the rollout server
+    assert any("WorkerDict" in name for name in classes), classes  # verl's forwarder workers
+    # What reserves CPUs (the TaskRunner, verl's forwarders, the engine) runs on the worker nodes; a rollout server
+    # reserves none, so Ray may put it on the head too.
+    holding = [(name, node) for name, node in placed if name != "FaultyServer"]
+    assert all(node != head for _, node in holding), placed
+    assert len({node for _, node in placed}) >= 2, placed  # the run spans nodes
     assert cluster.alive_actors() == []
     assert cluster.placement_groups_left() == []
+
+    # A run of the driver's own (RAY_ADDRESS) on the cluster resumes the job's checkpoint.
+    calls.unlink()
+    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
+    args = ["train", *backend, *QUICK, "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
+    resumed = run(script(), *args, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _steps(resumed.stdout) == [3]
+    assert "load_checkpoint 2" in faulty_calls(calls)
+    assert cluster.alive_actors() == []
 
     # `ray job stop`: SIGTERM to the entrypoint, which destroys the backend within Ray's grace period.
     calls.unlink()
     submitted = cluster.cli(
-        "job", "submit", "--no-wait", "--submission-id=stopped", "--", *_verl_remote(), "train", *backend, *QUICK,
+        "job", "submit", "--no-wait", "--submission-id=stopped", "--", script(), "train", *backend, *QUICK,
         "trainer.total_training_steps=40", f"trainer.default_local_dir={tmp_path / 'ckpt-stopped'}",
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr[-3000:]
@@ -158,78 +180,46 @@ def test_ray_job_submit_trains_stops_and_leaves_the_cluster_as_it_found_it(
     assert cluster.alive_actors() == []
     assert cluster.placement_groups_left() == []
 
-    # verl's own launcher as the entrypoint: the printed overrides, less the CPU count a cluster has already.
+    # verl's own launcher as the entrypoint, given the printed overrides (less the CPU count a cluster has already),
+    # resumes the driver's run through verl-remote's checkpoint records: the next step, from the saved state.
     calls.unlink()
     words = cli("config", "--overrides", *backend)
     assert words.returncode == 0, words.stderr[-3000:]
+    assert f"remote_backend.calls_log={calls}" in words.stdout.split()  # differs from the group file's value
     verl = cluster.cli(
         "job", "submit", "--", sys.executable, "-m", "verl.trainer.main_ppo", "+remote_backend=faulty",
-        *words.stdout.split(), *QUICK, "ray_kwargs.ray_init.num_cpus=null", "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={tmp_path / 'ckpt-verl'}",
+        *words.stdout.split(), *QUICK, "ray_kwargs.ray_init.num_cpus=null", "trainer.total_training_steps=4",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         timeout=600,
     )  # fmt: skip
     assert verl.returncode == 0, verl.stdout[-3000:] + verl.stderr[-3000:]
-    assert _steps(verl.stdout) == [1, 2]
-    assert re.search(r"verl-remote: 2 steps \(1-2\)", verl.stdout)
+    assert _steps(verl.stdout) == [4]
+    assert re.search(r"verl-remote: 1 steps \(4-4\); mean reward \d\.\d{3} over the first 1", verl.stdout)
+    assert faulty_calls(calls)[0] == "load_checkpoint 3"
     assert faulty_calls(calls).count("destroy") == 1
     assert cluster.alive_actors() == []
     assert cluster.placement_groups_left() == []
-
-
-def test_a_run_on_two_worker_nodes_trains_off_the_driver_node_and_resumes(
-    cluster: LocalCluster, tmp_path: Path
-) -> None:
-    cluster.add_node(num_cpus=4)
-    cluster.add_node(num_cpus=5)
-    calls = tmp_path / "calls.txt"
-    args = [
-        "train", "remote_backend=faulty", f"remote_backend.calls_log={calls}", *QUICK,
-        "trainer.save_freq=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-    ]  # fmt: skip
-    env = {**cluster.env, "RAY_ADDRESS": cluster.address}
-
-    first = run(*_verl_remote(), *args, "trainer.total_training_steps=2", env=env, cwd=tmp_path, timeout=600)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert _steps(first.stdout) == [1, 2]
-    assert "verl-remote: the 2 nodes with CPUs see the run's data, model and folder" in first.stdout
-
-    head = cluster.head_node_id()
-    placed = {(a["class_name"], a["node_id"]) for a in cluster.listed("actors")}
-    classes = {name for name, _ in placed}
-    assert {"RemoteTaskRunner", "LocalEngine", "FaultyServer"} <= classes, classes  # FaultyServer: the rollout server
-    assert any("WorkerDict" in name for name in classes), classes  # verl's forwarder workers
-    # What reserves CPUs (the TaskRunner, verl's forwarders, the engine) runs on the worker nodes; a rollout server
-    # reserves none, so Ray may put it on the head too.
-    holding = [(name, node) for name, node in placed if name != "FaultyServer"]
-    assert all(node != head for _, node in holding), placed
-    assert len({node for _, node in placed}) >= 2, placed  # the run spans nodes
-    assert cluster.alive_actors() == []
-
-    resumed = run(*_verl_remote(), *args, "trainer.total_training_steps=3", env=env, cwd=tmp_path, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert _steps(resumed.stdout) == [3]
-    assert "load_checkpoint 2" in faulty_calls(calls)
-    assert cluster.alive_actors() == []
 
 
 @pytest.mark.faults
 def test_a_node_that_cannot_see_the_runs_files_is_named_before_anything_starts(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """The demo's files (made on the driver) and the checkpoint folder, hidden from one node."""
+    """The demo's files (made on the driver) and the checkpoint folder, hidden from one node.
+
+    The node joins the module's cluster for good: this test comes last."""
     words = cli("config", "--overrides")
     assert words.returncode == 0, words.stderr[-3000:]
     demo = Path(next(w for w in words.stdout.split() if w.startswith("data.train_files=")).split("=", 1)[1])
     demo_root = demo.parent.parent  # .../verl-remote/demo-vN
     shared = tmp_path / "shared"
     shared.mkdir()
-    cluster.add_node(num_cpus=8)
     cluster.add_node(num_cpus=1, hide=(demo_root, shared))
     env = {**cluster.env, "RAY_ADDRESS": cluster.address}
     calls = tmp_path / "calls.txt"
     args = ["train", "remote_backend=faulty", f"remote_backend.calls_log={calls}", *QUICK]
 
-    out = run(*_verl_remote(), *args, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
+    out = run(script(), *args, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"data.train_files={demo} cannot be seen from node" in out.stderr
     assert "set XDG_CACHE_HOME to a folder every node sees" in out.stderr
@@ -241,16 +231,10 @@ def test_a_node_that_cannot_see_the_runs_files_is_named_before_anything_starts(
     model = tmp_path / "model"
     shutil.copytree(demo_root / "model", model)
     moved.append(f"actor_rollout_ref.model.path={model}")
-    out = run(*_verl_remote(), *args, *moved, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
+    out = run(script(), *args, *moved, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"trainer.default_local_dir={shared / 'ckpt'} cannot be seen from node" in out.stderr
     assert "lock file .verl-remote.lock is not there" in out.stderr
     assert faulty_calls(calls) == []
     assert cluster.alive_actors() == []
     assert not list((shared / "ckpt").glob("global_step_*"))
-
-
-def _verl_remote() -> list[str]:
-    script = shutil.which("verl-remote", path=str(Path(sys.executable).parent))
-    assert script is not None
-    return [script]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from conftest import ROOT, cli, run
+from conftest import ROOT, run
 from verl_remote import BackendNotFoundError, DuplicateBackendError
 from verl_remote.compose import ConfigError, compose_config
 
@@ -50,27 +51,27 @@ def test_bad_overrides_raise_errors_the_user_can_act_on(
         compose_config(overrides)
 
 
-def test_cli_config_prints_yaml_and_rejects_bad_input_with_exit_2() -> None:
-    out = cli("config", "remote_backend=echo", "algorithm.adv_estimator=grpo")
-    assert out.returncode == 0, out.stderr
-    printed = yaml.safe_load(out.stdout)
+def test_cli_config_prints_yaml_and_rejects_bad_input_with_exit_2(cli_main: Any) -> None:
+    code, stdout, stderr = cli_main("config", "remote_backend=echo", "algorithm.adv_estimator=grpo")
+    assert code == 0, stderr
+    printed = yaml.safe_load(stdout)
     assert printed["remote_backend"] == {"name": "echo", "state_dir": None}
     assert printed["algorithm"]["adv_estimator"] == "grpo"
 
-    unknown = cli("config", "remote_backend=arcitc")
-    assert unknown.returncode == 2
-    assert unknown.stdout == ""
-    assert "verl-remote config: error: backend 'arcitc' is not installed; installed: " in unknown.stderr
-    assert "echo (verl-remote-echo-backend 0.1.0)" in unknown.stderr
-    assert "Traceback" not in unknown.stderr
+    code, stdout, stderr = cli_main("config", "remote_backend=arcitc")
+    assert code == 2
+    assert stdout == ""
+    assert "verl-remote config: error: backend 'arcitc' is not installed; installed: " in stderr
+    assert "echo (verl-remote-echo-backend 0.1.0)" in stderr
+    assert "Traceback" not in stderr
 
-    bad = cli("config", "trainer.no_such_key=1")
-    assert bad.returncode == 2
-    assert "verl-remote config: invalid config: Could not override 'trainer.no_such_key'" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    code, _stdout, stderr = cli_main("config", "trainer.no_such_key=1")
+    assert code == 2
+    assert "verl-remote config: invalid config: Could not override 'trainer.no_such_key'" in stderr
+    assert "Traceback" not in stderr
 
 
-def test_a_recipe_composes_and_command_line_overrides_win(tmp_path: Path) -> None:
+def test_a_recipe_composes_and_command_line_overrides_win(tmp_path: Path, cli_main: Any) -> None:
     recipe = ROOT / "configs" / "grpo-kl.yaml"
     config = compose_config(["actor_rollout_ref.actor.kl_loss_coef=0.5"], recipe=recipe)
     assert config.actor_rollout_ref.actor.use_kl_loss is True
@@ -87,22 +88,22 @@ def test_a_recipe_composes_and_command_line_overrides_win(tmp_path: Path) -> Non
 
     with pytest.raises(ConfigError, match="does not exist"):
         compose_config([], recipe=tmp_path / "missing.yaml")
-    out = cli("config", "--recipe", str(tmp_path / "missing.yaml"))
-    assert out.returncode == 2
-    assert "recipe" in out.stderr and "does not exist" in out.stderr
+    code, _stdout, stderr = cli_main("config", "--recipe", str(tmp_path / "missing.yaml"))
+    assert code == 2
+    assert "recipe" in stderr and "does not exist" in stderr
 
 
 @pytest.mark.faults
-def test_a_malformed_recipe_is_named_with_its_line_not_a_parser_traceback(tmp_path: Path) -> None:
+def test_a_malformed_recipe_is_named_with_its_line_not_a_parser_traceback(tmp_path: Path, cli_main: Any) -> None:
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("defaults:\n  - verl_remote\n  bad: [\n")
-    out = cli("train", "--recipe", str(recipe))
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == (
+    code, _stdout, stderr = cli_main("train", "--recipe", str(recipe))
+    assert code == 2
+    assert stderr.strip().splitlines()[-1] == (
         f"verl-remote train: invalid config: recipe {recipe}, line 3, column 3: not valid YAML: "
         "while parsing a block collection expected <block end>, but found '?'"
     )
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in stderr
     recipe.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping of config keys, not a list"):
         compose_config([], recipe=recipe)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import ROOT, TEST_PACKAGES, run
+from conftest import ROOT, TEST_PACKAGES, faulty_calls, run, steps
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +48,7 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
         ROOT / "dists" / "verl-arctic",
         ROOT / "dists" / "verl-tinker",
         TEST_PACKAGES / "echo-backend",
+        TEST_PACKAGES / "faulty-backend",
     ):
         out = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", wheels, project, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -55,12 +56,25 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
     arctic = next(wheels.glob("verl_arctic-*.whl"))
     tinker = next(wheels.glob("verl_tinker-*.whl"))
     echo = next(wheels.glob("verl_remote_echo_backend-*.whl"))
+    faulty = next(wheels.glob("verl_remote_faulty_backend-*.whl"))
 
     venv = tmp_path / "venv"
     assert run(sys.executable, "-m", "venv", venv).returncode == 0
     bin_dir = venv / "bin"
     constraints = ROOT / "constraints" / "cpu.txt"
-    out = run(bin_dir / "pip", "install", "-c", constraints, core, arctic, tinker, echo, timeout=1200, env=_clean_env())
+    out = run(
+        bin_dir / "pip",
+        "install",
+        "-c",
+        constraints,
+        core,
+        arctic,
+        tinker,
+        echo,
+        faulty,
+        timeout=1200,
+        env=_clean_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
 
     work = tmp_path / "elsewhere"  # not the checkout, so nothing resolves from the source tree
@@ -77,6 +91,13 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
     assert [line.split() for line in stdout.splitlines()[1:]] == [
         ["arctic", "verl-arctic", "0.1.0", "pkg://verl_arctic/remote_backend/arctic.yaml", "ok"],
         ["echo", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/echo.yaml", "ok"],
+        [
+            "faulty",
+            "verl-remote-faulty-backend",
+            "0.1.0",
+            "pkg://verl_remote_faulty_backend/remote_backend/faulty.yaml",
+            "ok",
+        ],
         ["local", "verl-remote", "0.1.0", "pkg://verl_remote.backends.local/remote_backend/local.yaml", "ok"],
         ["tinker", "verl-tinker", "0.1.0", "pkg://verl_tinker/remote_backend/tinker.yaml", "ok"],
         ["twin", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/twin.yaml", "ok"],
@@ -102,16 +123,25 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
     assert code == 0, stderr[-3000:]
     assert yaml.safe_load(stdout)["remote_backend"]["name"] == "echo"
 
-    # verl's own launcher trains with the embedded backend, given verl-remote's settings as override words.
-    code, words, stderr = in_venv(bin_dir / "verl-remote", "config", "--overrides")
+    # verl's own launcher (python -m verl.trainer.main_ppo +remote_backend=NAME $(verl-remote config --overrides
+    # ...)) trains with the backend (the local backend, recording its lifecycle calls) and destroys it once. Its
+    # resume through verl-remote's checkpoint records is asserted on a cluster (tests/test_cluster.py).
+    calls = work / "calls.txt"
+    code, words, stderr = in_venv(
+        bin_dir / "verl-remote", "config", "--overrides", "remote_backend=faulty", f"remote_backend.calls_log={calls}"
+    )
     assert code == 0, stderr[-3000:]
-    code, stdout, stderr = in_venv(
-        bin_dir / "python", "-m", "verl.trainer.main_ppo", "+remote_backend=local", *words.split(),
-        "trainer.total_training_steps=2", "trainer.val_before_train=false",
-        f"trainer.default_local_dir={work / 'ckpt'}",
-    )  # fmt: skip
+    assert f"remote_backend.calls_log={calls}" in words.split()  # differs from the group file's value
+    launch = [
+        bin_dir / "python", "-m", "verl.trainer.main_ppo", "+remote_backend=faulty", *words.split(),
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=2",
+        f"trainer.default_local_dir={work / 'ckpt'}", "trainer.total_training_steps=2",
+    ]  # fmt: skip
+    code, stdout, stderr = in_venv(*launch)
     assert code == 0, stderr[-3000:]
-    assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward", stdout), stdout[-3000:]
+    assert steps(stdout) == [1, 2]
+    assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", stdout), stdout[-3000:]
+    assert faulty_calls(calls).count("destroy") == 1
     assert ray_left_behind() == {}  # Ray's workers end within seconds of the driver
 
     code, stdout, stderr = in_venv(bin_dir / "python", "-c", RAY_WORKER_CHECK)
@@ -124,3 +154,4 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
     assert "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend tinker (verl-tinker 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads" in stdout
+    assert "[ok  ] Ray worker: backend faulty (verl-remote-faulty-backend 0.1.0) loads" in stdout

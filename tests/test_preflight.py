@@ -7,19 +7,16 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import cli, free_port
+from conftest import free_port, last_line
 from verl_remote.compose import compose_config
 from verl_remote.preflight import PreflightError, check_model, check_resume, check_types, run_preflight
 from verl_remote.train import resolve_demo_assets
 
 pytestmark = pytest.mark.faults
-
-
-def _last_line(stderr: str) -> str:
-    return stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -81,12 +78,11 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
     ],
 )
 def test_the_cli_refuses_bad_input_with_exit_2_before_ray_starts(
-    overrides: list[str], message: str, tmp_path: Path
+    overrides: list[str], message: str, cli_main: Any
 ) -> None:
-    out = cli("train", *overrides, cwd=tmp_path, timeout=120)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert message in _last_line(out.stderr)
-    assert "Started a local Ray instance" not in out.stderr + out.stdout
+    code, _out, err = cli_main("train", *overrides)  # it fails if Ray was started
+    assert code == 2, err[-2000:]
+    assert message in last_line(err)
 
 
 class _Answer(http.server.BaseHTTPRequestHandler):
@@ -127,32 +123,34 @@ def binary_200() -> Iterator[str]:
     yield from _answering(200, "application/octet-stream", bytes(range(256)))
 
 
-def test_an_arctic_url_where_nothing_or_something_else_answers(html_404: str, binary_200: str, tmp_path: Path) -> None:
+def test_an_arctic_url_where_nothing_or_something_else_answers(
+    html_404: str, binary_200: str, tmp_path: Path, cli_main: Any
+) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     for url, message in (
         (dead, f"remote_backend.comms.url={dead}: nothing answers there"),
         (html_404, "GET /health answered HTTP 404 with <html> (text/html, not Arctic's JSON)"),
         (binary_200, "GET /health answered HTTP 200 with 256 bytes of application/octet-stream"),
     ):
-        out = cli("train", "remote_backend=arctic", f"remote_backend.comms.url={url}", cwd=tmp_path, timeout=120)
-        assert out.returncode == 2, out.stderr[-2000:]
-        assert message in _last_line(out.stderr)
+        ckpt = f"trainer.default_local_dir={tmp_path / 'ckpt'}"
+        code, _out, err = cli_main("train", "remote_backend=arctic", f"remote_backend.comms.url={url}", ckpt)
+        assert code == 2, err[-2000:]
+        assert message in last_line(err)
 
 
-def test_a_launched_arctic_service_whose_port_is_taken_is_refused(tmp_path: Path) -> None:
+def test_a_launched_arctic_service_whose_port_is_taken_is_refused(tmp_path: Path, cli_main: Any) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         url = f"http://127.0.0.1:{port}"
         launch = f"python -m verl_arctic.testing.server --port {port}"
-        out = cli(
+        code, _out, err = cli_main(
             "train",
             "remote_backend=arctic",
             f"remote_backend.comms.url={url}",
             f"remote_backend.comms.launch='{launch}'",
-            cwd=tmp_path,
-            timeout=120,
+            f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         )
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert f"port {port} is already taken" in _last_line(out.stderr)
+    assert code == 2, err[-2000:]
+    assert f"port {port} is already taken" in last_line(err)

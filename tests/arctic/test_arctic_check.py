@@ -1,33 +1,34 @@
-"""`verl-remote check arctic` against the Arctic test server, both protocol generations."""
+"""The conformance checks (``verl_remote.testing.check_backend``) on verl-arctic against the Arctic test server,
+both protocol generations, on one Ray instance in this process."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import cli
+from conftest import live_actors
 
 pytestmark = pytest.mark.train
 
 
 def test_verl_arctic_passes_the_conformance_checks_that_its_protocol_allows(
-    arctic_server: tuple[str, str], tmp_path: Path, ray_left_behind: Any
+    arctic_server: tuple[str, str], ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from verl_remote.testing import check_backend
+
+    monkeypatch.chdir(tmp_path)  # the check's checkpoints go to its own folder, never the working directory
+
     url, generation = arctic_server
-    out = cli(
-        "check", "arctic", f"remote_backend.comms.api={generation}", f"remote_backend.comms.url={url}",
-        cwd=tmp_path, timeout=900,
-    )  # fmt: skip
-    failed = [name for mark, name in re.findall(r"^\[(ok  |FAIL|skip)\] (\w+)", out.stdout, re.M) if mark != "ok  "]
+    results = check_backend("arctic", [f"remote_backend.comms.api={generation}", f"remote_backend.comms.url={url}"])
+    lines = "\n".join(result.line() for result in results)
+    failed = [result.name for result in results if not result.ok]
     if generation == "main":
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert failed == []
+        assert failed == [], lines
     else:
         # Arctic's v0.1 protocol has no load-checkpoint call: the one check it cannot pass, in the backend's words.
-        assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-        assert failed == ["checkpoint"], out.stdout
-        assert "has no load-checkpoint call, so a run cannot resume on it" in out.stdout
-    assert ray_left_behind() == {}
+        assert failed == ["checkpoint"], lines
+        assert "has no load-checkpoint call, so a run cannot resume on it" in lines
+    assert live_actors() == []
+    assert list(tmp_path.iterdir()) == []

@@ -65,6 +65,26 @@ def test_errors_name_the_call_the_url_and_the_servers_own_text(
         client.job(training)
 
 
+def test_a_refused_forward_names_the_generations_route(
+    arctic_server: tuple[str, str], model_path: str, tmp_path: Path
+) -> None:
+    """What verl-arctic's forwarder sends for remote_backend.train.logits.optimization=memory, which Arctic's
+    engines refuse without ZoRRO: the error names the call by its route in each generation (a run's side of
+    it: tests/arctic/test_arctic_train.py)."""
+    url, generation = arctic_server
+    client = ArcticClient(url, generation)
+    training = client.initialize(training_config(model_path, str(tmp_path), generation, ranks=1))
+    payload = forward_payload(4, 0)
+    payload["meta"]["logits_optimization"] = "memory"
+    route = "forward" if generation == "main" else "fwd-no-grad"
+    with pytest.raises(ArcticError, match=rf"Arctic call forward \(POST {url}/{route}\?job_id={training}\) failed: "):
+        client.forward(training, payload)
+    with pytest.raises(ArcticError, match="HTTP 500: Internal Server Error"):
+        client.forward(training, payload)
+    client.destroy(training, "training")
+    assert client.call("status")["jobs"] == {}
+
+
 @pytest.mark.parametrize("generation", ["v0.1", "main"])
 def test_an_update_changes_the_weights_only_at_the_accumulation_boundary(
     generation: str, model_path: str, tmp_path: Path

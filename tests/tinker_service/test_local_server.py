@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from verl_tinker.local_server import STOP_GRACE, LocalServerError, find_python312, start_local_server
+from verl_tinker.local_server import STOP_GRACE, LocalServerError, find_python312
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
@@ -64,46 +64,6 @@ def test_cli_without_python312_exits_2_with_one_line() -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("verl-tinker: error: --python /nonexistent: not found;")
     assert "VERL_TINKER_PYTHON" in lines[0]
-
-
-@pytest.mark.tinker
-def test_server_trains_a_lora_client_and_stops_everything() -> None:
-    import numpy as np
-    import tinker
-    from tinker import types
-
-    server = start_local_server()
-    try:
-        host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
-        processes = session_processes(server.pid)
-        commands = [" ".join(p.cmdline()) for p in processes]
-        assert any("skyrl.tinker.api" in c for c in commands), commands
-        assert any("skyrl.tinker.engine" in c for c in commands), commands  # the engine is in the same session
-
-        service = tinker.ServiceClient(base_url=server.url, api_key="tml-local")
-        started = time.monotonic()
-        training = service.create_lora_training_client(base_model=server.model, rank=8, seed=0)
-        assert time.monotonic() - started < 60  # ready means the engine has the model loaded
-        tokens = [5, 9, 12, 7, 3, 8, 10, 11]
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={
-                "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
-                "weights": types.TensorData(data=[0.0] * 4 + [1.0] * 3, dtype="float32"),
-            },
-        )
-        out = training.forward([datum], "cross_entropy").result()
-        logprobs = np.asarray(out.loss_fn_outputs[0]["logprobs"].data)
-        assert logprobs.shape == (7,)
-        assert np.isfinite(logprobs).all() and (logprobs <= 0).all()
-        service.holder.close()  # the SDK's session heartbeat, which would outlive the server
-    finally:
-        server.stop()
-    assert wait_gone(server.pid, timeout=1) == []
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
-    assert not listening(host, port)
-    assert not server.workdir.exists()  # a temporary work directory is removed
-    server.stop()  # idempotent
 
 
 @pytest.mark.tinker

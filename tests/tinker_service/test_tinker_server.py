@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import torch
+from test_local_server import listening, session_processes, wait_gone
 
-from conftest import cli, free_port, read_until, steps
+from conftest import free_port, last_line, live_actors, metric, read_until, start, steps, train
 from verl_remote.compose import compose_config
 from verl_remote.compute import actor_loss
 from verl_tinker.local_server import LocalServer, start_local_server
@@ -31,8 +30,6 @@ from verl_tinker.worker import linearised_datums
 
 pytestmark = [pytest.mark.tinker, pytest.mark.train]
 
-QUICK = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
-
 
 def _loaded(server: LocalServer) -> list[str]:
     """The models the server holds (created and not unloaded)."""
@@ -40,26 +37,17 @@ def _loaded(server: LocalServer) -> list[str]:
         return [m for (m,) in db.execute("select model_id from models where status != 'unloaded'")]
 
 
-def _train(tmp_path: Path, url: str, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    args = ["train", "remote_backend=tinker", f"remote_backend.base_url={url}", *QUICK]
-    return cli(*args, f"trainer.default_local_dir={tmp_path / 'ckpt'}", *overrides, cwd=tmp_path, timeout=timeout)
+def _tinker(url: str) -> list[str]:
+    return ["remote_backend=tinker", f"remote_backend.base_url={url}"]
 
 
-def _start(tmp_path: Path, url: str, *overrides: str) -> subprocess.Popen[str]:
-    script = str(Path(sys.executable).parent / "verl-remote")
-    args = ["train", "remote_backend=tinker", f"remote_backend.base_url={url}", *QUICK]
-    args += [f"trainer.default_local_dir={tmp_path / 'ckpt'}", *overrides]
-    return subprocess.Popen([script, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_verl_tinker_passes_every_conformance_check(tinker_server: LocalServer, ray_instance: Any) -> None:
+    from verl_remote.testing import check_backend
 
-
-def test_verl_tinker_passes_every_conformance_check(
-    tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
-) -> None:
-    out = cli("check", "tinker", f"remote_backend.base_url={tinker_server.url}", cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    marks = re.findall(r"^\[(ok  |FAIL|skip)\] (\w+)", out.stdout, re.M)
-    assert len(marks) == 13 and all(mark == "ok  " for mark, _ in marks), out.stdout
-    assert ray_left_behind() == {}
+    results = check_backend("tinker", [f"remote_backend.base_url={tinker_server.url}"])
+    lines = "\n".join(result.line() for result in results)
+    assert len(results) == 13 and all(result.ok for result in results), lines
+    assert live_actors() == []
     assert _loaded(tinker_server) == []
 
 
@@ -149,74 +137,106 @@ def test_the_gradient_the_service_applies_is_verls(tinker_server: LocalServer) -
     assert _loaded(tinker_server) == []
 
 
-def test_two_steps_then_resume_at_step_three_with_the_same_weights(
+@pytest.mark.faults
+def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_service_loses_the_model(
     tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
 ) -> None:
-    first = _train(tmp_path, tinker_server.url, "trainer.total_training_steps=2", "trainer.save_freq=2")
+    first = train(tmp_path, *_tinker(tinker_server.url), "trainer.total_training_steps=2", "trainer.save_freq=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert steps(first.stdout) == [1, 2]
     # The sampler got the trained weights each step: its log-probs are the trainer's.
-    diffs = [float(v) for v in re.findall(r"training/rollout_probs_diff_max:([0-9.e-]+)", first.stdout)]
+    diffs = metric(first.stdout, "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and max(diffs) < 1e-4
     record = json.loads((tmp_path / "ckpt" / "global_step_2" / "actor" / "tinker_checkpoint.json").read_text())
     assert record["step"] == 2 and record["tinker_path"].startswith("tinker://")
     assert _loaded(tinker_server) == []  # destroy unloaded the run's model
     assert ray_left_behind() == {}
 
-    second = _train(tmp_path, tinker_server.url, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert steps(second.stdout) == [3]
+    proc = start(tmp_path, *_tinker(tinker_server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto")
+    resumed = "".join(read_until(proc, "step:3 "))
+    assert steps(resumed) == [3]
     # Resumed from the service's own checkpoint (weights and optimizer): the first step's old log-probs are
     # those of the step-2 weights, so the sampler (synced on load) and the trainer agree from the start.
-    diffs = [float(v) for v in re.findall(r"training/rollout_probs_diff_max:([0-9.e-]+)", second.stdout)]
+    diffs = metric(resumed, "training/rollout_probs_diff_max")
     assert len(diffs) == 1 and diffs[0] < 1e-4
-    assert _loaded(tinker_server) == []
-    assert ray_left_behind() == {}
 
-
-@pytest.mark.faults
-def test_an_unreachable_service_fails_before_anything_starts(tmp_path: Path) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    out = _train(tmp_path, dead, "trainer.total_training_steps=1", timeout=300)
-    assert out.returncode == 2, out.stderr[-3000:]
-    last = out.stderr.strip().splitlines()[-1]
-    assert f"remote_backend.base_url={dead}: nothing answers there" in last, last
-    assert "verl_tinker.local_server" in last
-    assert time.monotonic() - start < 60
-
-
-@pytest.mark.faults
-def test_a_service_error_mid_run_stops_the_run_in_one_line_and_leaves_nothing_running(
-    tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
-) -> None:
-    """The service loses the run's model between two steps (its stale-session cleanup does this): the next
-    call fails with the service's own answer; the run stops, destroys its backend, leaves no process."""
-    proc = _start(tmp_path, tinker_server.url, "trainer.total_training_steps=20")
-    read_until(proc, "step:1 ")
+    # Then the service loses the run's model between two steps (its stale-session cleanup does this): the next
+    # call fails with the service's own answer; the run stops, destroys its backend, leaves no process.
     [model] = _loaded(tinker_server)
     answer = httpx.post(f"{tinker_server.url}/api/v1/unload_model", json={"model_id": model}, timeout=30)
     assert answer.status_code == 200, answer.text
     rest, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1, rest[-3000:]
-    last = rest.strip().splitlines()[-1]
+    last = last_line(rest)
     assert last.startswith("verl-remote train: the run failed: "), last
     assert "Tinker call " in last and tinker_server.url in last, last
     assert ray_left_behind() == {}
 
 
 @pytest.mark.faults
-def test_a_service_killed_mid_run_stops_the_run_within_its_timeout(tmp_path: Path, ray_left_behind: Any) -> None:
-    with start_local_server(workdir=tmp_path / "server") as server:
-        proc = _start(tmp_path, server.url, "trainer.total_training_steps=20", "remote_backend.timeout_s=20")
+def test_an_unreachable_service_fails_before_anything_starts(cli_main: Any) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    code, _out, err = cli_main("train", *_tinker(dead), "trainer.total_training_steps=1")
+    assert code == 2, err[-3000:]
+    last = last_line(err)
+    assert f"remote_backend.base_url={dead}: nothing answers there" in last, last
+    assert "verl_tinker.local_server" in last
+    assert time.monotonic() - began < 60
+
+
+@pytest.mark.faults
+def test_a_service_killed_mid_run_stops_the_run_within_its_timeout_and_the_server_stops_everything(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
+    """A server of its own (verl_tinker.local_server): an SDK client trains on it, then a run; the server is
+    stopped mid-run, as a crashed or preempted node goes away, with every process it started."""
+    import tinker
+    from tinker import types
+
+    server = start_local_server()
+    try:
+        host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+        processes = session_processes(server.pid)
+        commands = [" ".join(p.cmdline()) for p in processes]
+        assert any("skyrl.tinker.api" in c for c in commands), commands
+        assert any("skyrl.tinker.engine" in c for c in commands), commands  # the engine is in the same session
+
+        service = tinker.ServiceClient(base_url=server.url, api_key="tml-local")
+        began = time.monotonic()
+        training = service.create_lora_training_client(base_model=server.model, rank=8, seed=0)
+        assert time.monotonic() - began < 60  # ready means the engine has the model loaded
+        tokens = [5, 9, 12, 7, 3, 8, 10, 11]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+                "weights": types.TensorData(data=[0.0] * 4 + [1.0] * 3, dtype="float32"),
+            },
+        )
+        out = training.forward([datum], "cross_entropy").result()
+        logprobs = np.asarray(out.loss_fn_outputs[0]["logprobs"].data)
+        assert logprobs.shape == (7,)
+        assert np.isfinite(logprobs).all() and (logprobs <= 0).all()
+        service.holder.close()  # the SDK's session heartbeat, which would outlive the server
+
+        proc = start(tmp_path, *_tinker(server.url), "trainer.total_training_steps=20", "remote_backend.timeout_s=60")
         read_until(proc, "step:1 ")
-        server.stop()  # the service goes away, as a crashed or preempted node does
-        killed_at = time.monotonic()
-        rest, _ = proc.communicate(timeout=600)
+    finally:
+        server.stop()  # the service goes away
+    killed_at = time.monotonic()
+    rest, _ = proc.communicate(timeout=600)
     failed_after = time.monotonic() - killed_at
     assert proc.returncode == 1, rest[-3000:]
-    last = rest.strip().splitlines()[-1]
+    last = last_line(rest)
     assert last.startswith("verl-remote train: the run failed: "), last
     assert "Tinker call " in last and server.url in last, last
     assert failed_after < 180, failed_after
     assert ray_left_behind() == {}
+
+    # Everything the server started is gone with it.
+    assert wait_gone(server.pid, timeout=1) == []
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
+    assert not listening(host, port)
+    assert not server.workdir.exists()  # a temporary work directory is removed
+    server.stop()  # idempotent

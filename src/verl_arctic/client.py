@@ -9,6 +9,7 @@ failed training step says which request failed where. Only idempotent calls
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -96,9 +97,25 @@ class ArcticClient:
         self._http = httpx.Client(
             timeout=self._timeout, headers=self._headers, limits=httpx.Limits(max_keepalive_connections=0)
         )
+        # agenerate's client: one per event loop, made on first use. A client per request made a step's requests
+        # (rows x n at once) build as many clients, TLS context included, on the loop their connect timeouts run on,
+        # which under load was enough to time them out before they reached the server.
+        self._async_http: httpx.AsyncClient | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
 
     def close(self) -> None:
         self._http.close()
+        # agenerate's client holds no idle connection (no keep-alive), so dropping it leaves nothing open.
+        self._async_http = self._async_loop = None
+
+    def _async_client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._async_http is None or self._async_loop is not loop:
+            self._async_http = httpx.AsyncClient(
+                timeout=self._timeout, headers=self._headers, limits=httpx.Limits(max_keepalive_connections=0)
+            )
+            self._async_loop = loop
+        return self._async_http
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -168,11 +185,12 @@ class ArcticClient:
         """``/generate`` from an event loop (the rollout server); not retried."""
         spec = route(self.generation, "generate")
         url, kwargs = self._request_args(spec, job_id, self._generate_body(prompts, sampling_params), None)
-        async with httpx.AsyncClient(timeout=self._timeout, headers=self._headers) as http:
-            try:
-                response = await http.request(spec.method, url, **kwargs)
-            except httpx.HTTPError as exc:
-                raise ArcticError(f"Arctic call generate ({spec.method} {url}) failed: {exc}") from exc
+        try:
+            response = await self._async_client().request(spec.method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            # Some of httpx's errors have no message (a connect timeout): name the error then.
+            reason = f"{exc}" or f"{type(exc).__name__} (remote_backend.connect_timeout_s, read_timeout_s)"
+            raise ArcticError(f"Arctic call generate ({spec.method} {url}) failed: {reason}") from exc
         if not response.is_success:
             raise self._fail("generate", spec, url, response)
         result: dict[str, Any] = self._decode("generate", spec, url, response)

@@ -8,7 +8,9 @@ parallelism, learning-rate warmup, weight syncs, checkpoints.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -222,6 +224,34 @@ def test_unreachable_server_and_timeouts_name_the_call_and_the_server(
     slow = ArcticClient(url, generation, read_timeout=0.001)
     with pytest.raises(ArcticError, match=f"Arctic call initialize \\(POST {url}/initialize\\) timed out"):
         slow.initialize({"model_name": model_path, "job_type": "sampling"})
+
+
+def test_a_steps_generate_calls_share_one_client_and_a_failure_names_its_error(
+    arctic_server: tuple[str, str], dead_url: str, model_path: str
+) -> None:
+    """The rollout server sends a step's requests at once from one event loop (agenerate)."""
+    url, generation = arctic_server
+    client = ArcticClient(url, generation)
+    sampling = client.initialize({"model_name": model_path, "job_type": "sampling"})
+    try:
+        params = {"max_tokens": 2, "ignore_eos": True, "temperature": 1.0}
+
+        async def step() -> tuple[list[dict[str, Any]], set[int]]:
+            answers = await asyncio.gather(*(client.agenerate(sampling, ["say 3"], params) for _ in range(32)))
+            return answers, {id(client._async_client())}
+
+        answers, clients = asyncio.run(step())
+        assert len(answers) == 32 and all(len(a["results"][0]["token_ids"]) == 2 for a in answers)
+        assert len(clients) == 1
+        slow = ArcticClient(url, generation, read_timeout=0.0001)
+        with pytest.raises(ArcticError, match=r"Arctic call generate \(POST .*\) failed: \S"):
+            asyncio.run(slow.agenerate(sampling, ["say 3"], params))
+    finally:
+        client.destroy(sampling, "sampling")
+    dead = ArcticClient(dead_url, generation)
+    with pytest.raises(ArcticError, match=f"Arctic call generate \\(POST {dead_url}/generate.*\\) failed: \\S"):
+        asyncio.run(dead.agenerate(1, ["say 3"], {"max_tokens": 2}))
+    assert client.call("status")["jobs"] == {}
 
 
 def test_the_replica_names_a_generate_answer_without_the_asked_log_probs() -> None:

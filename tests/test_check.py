@@ -92,13 +92,3 @@ def test_a_backend_without_verl_remotes_bases_fails_the_contract_check(ray_clust
     assert marks["spec"] == "ok" and marks["contract"] == "FAIL"
     assert "EchoWorker'> is not a subclass of verl_remote.worker.RemoteForwarderWorker" in out
     assert marks["destroy"] == "skip"  # no backend was made
-
-
-def test_the_example_backend_trains(tmp_path: Path, ray_left_behind: Any) -> None:
-    out = cli(
-        "train", "remote_backend=bigram", "trainer.total_training_steps=2", "trainer.val_before_train=false",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}", cwd=tmp_path, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3}", out.stdout)
-    assert ray_left_behind() == {}

@@ -13,7 +13,15 @@ import pytest
 
 from conftest import free_port, last_line
 from verl_remote.compose import compose_config
-from verl_remote.preflight import PreflightError, check_model, check_resume, check_types, run_preflight
+from verl_remote.preflight import (
+    RANGES,
+    PreflightError,
+    check_model,
+    check_ranges,
+    check_resume,
+    check_types,
+    run_preflight,
+)
 from verl_remote.train import resolve_demo_assets
 
 pytestmark = pytest.mark.faults
@@ -49,6 +57,53 @@ def test_a_hub_name_is_noted_a_missing_folder_is_refused(monkeypatch: pytest.Mon
         check_model(compose_config([f"actor_rollout_ref.model.path={tmp_path / 'empty'}"]))
 
 
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("data.train_batch_size=0", "an integer >= 1 (prompts per step)"),
+        ("data.max_response_length=0", "an integer >= 1 (tokens)"),
+        ("actor_rollout_ref.rollout.temperature=-0.5", "a number >= 0"),
+        ("actor_rollout_ref.rollout.top_p=0", "a number in (0, 1]"),
+        ("actor_rollout_ref.rollout.top_k=-2", "-1 or 0 (off), or an integer >= 1"),
+        ("actor_rollout_ref.actor.ppo_epochs=0", "an integer >= 1"),
+        ("actor_rollout_ref.actor.clip_ratio_c=1", "a number > 1"),
+        ("actor_rollout_ref.actor.optim.lr=0", "a number > 0"),
+        ("actor_rollout_ref.actor.optim.lr=nan", "a number > 0"),
+        ("trainer.total_training_steps=0", "an integer >= 1"),
+        ("trainer.save_freq=-2", "-1 (never)"),
+        ("trainer.test_freq=-3", "-1 (never)"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_with_the_key_the_value_and_the_range(override: str, words: str) -> None:
+    key, value = override.split("=")
+    with pytest.raises(PreflightError, match=r"out of range; expected ") as refused:
+        check_ranges(compose_config([override]))
+    assert str(refused.value).startswith(f"{key}={float(value) if value == 'nan' else value}: out of range")
+    assert str(refused.value).endswith(words) or words in str(refused.value)
+
+
+def test_every_ranged_key_is_one_verl_has_and_the_defaults_and_the_edges_pass() -> None:
+    from omegaconf import OmegaConf
+
+    config = compose_config([])
+    missing = [key for key, _, _ in RANGES if OmegaConf.select(config, key, default="<absent>") == "<absent>"]
+    assert missing == []  # a key verl renamed would otherwise go unchecked
+    check_ranges(config)
+    check_ranges(
+        compose_config(
+            [
+                "actor_rollout_ref.rollout.temperature=0",
+                "actor_rollout_ref.rollout.top_k=0",
+                "actor_rollout_ref.rollout.top_p=1",
+                "trainer.save_freq=-1",
+                "trainer.test_freq=-1",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                "trainer.total_training_steps=null",
+            ]
+        )
+    )
+
+
 def test_a_resume_target_that_is_not_there_is_named(tmp_path: Path) -> None:
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
     config = compose_config([f"trainer.default_local_dir={tmp_path}"])
@@ -75,6 +130,13 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
         (["data.train_files=/nope.parquet"], "data.train_files=/nope.parquet: no such file"),
         (["actor_rollout_ref.model.path=/nope/model"], "actor_rollout_ref.model.path=/nope/model: no such folder"),
         (["trainer.default_local_dir=/proc/verl-remote"], "trainer.default_local_dir=/proc/verl-remote: cannot write"),
+        (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n=0: out of range; expected an integer >= 1"),
+        (["actor_rollout_ref.actor.optim.lr=-1e-5"], "actor_rollout_ref.actor.optim.lr=-1e-05: out of range"),
+        (["actor_rollout_ref.rollout.top_p=1.5"], "actor_rollout_ref.rollout.top_p=1.5: out of range; expected a"),
+        (
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+            "verl rejected the config: train_batch_size (8) must be >= actor.ppo_mini_batch_size (16)",
+        ),
     ],
 )
 def test_the_cli_refuses_bad_input_with_exit_2_before_ray_starts(

@@ -17,6 +17,7 @@ exits 2. What is checked:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_remote.compose import ConfigError
 
-__all__ = ["NUMERIC_KEYS", "PreflightError", "check_layout", "run_preflight"]
+__all__ = ["NUMERIC_KEYS", "RANGES", "PreflightError", "check_layout", "check_ranges", "run_preflight"]
 
 
 class PreflightError(ConfigError):
@@ -80,6 +81,52 @@ def check_types(config: DictConfig, defaults: DictConfig) -> None:
         elif not _number(value):
             kind = "an integer" if isinstance(default, int) else "a number"
             raise PreflightError(f"{key}={value!r}: expected {kind}; set {key}=<{kind.split()[-1]}>")
+
+
+#: Keys verl computes with and the values that make sense: (key, test, the valid range in words). A value
+#: outside is refused before Ray starts; verl itself fails on most of them only minutes into the run, in words
+#: that do not name the key (``rollout.n=0`` fails in the replay buffer after the first rollout).
+RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
+    ("data.train_batch_size", lambda v: v >= 1, "an integer >= 1 (prompts per step)"),
+    ("data.val_batch_size", lambda v: v >= 1, "an integer >= 1, or null for the whole validation set"),
+    ("data.max_prompt_length", lambda v: v >= 1, "an integer >= 1 (tokens)"),
+    ("data.max_response_length", lambda v: v >= 1, "an integer >= 1 (tokens)"),
+    ("actor_rollout_ref.rollout.n", lambda v: v >= 1, "an integer >= 1 (responses per prompt)"),
+    ("actor_rollout_ref.rollout.val_kwargs.n", lambda v: v >= 1, "an integer >= 1 (responses per prompt)"),
+    ("actor_rollout_ref.rollout.prompt_length", lambda v: v >= 1, "an integer >= 1 (tokens)"),
+    ("actor_rollout_ref.rollout.response_length", lambda v: v >= 1, "an integer >= 1 (tokens)"),
+    ("actor_rollout_ref.rollout.temperature", lambda v: v >= 0, "a number >= 0 (0 samples greedily)"),
+    ("actor_rollout_ref.rollout.val_kwargs.temperature", lambda v: v >= 0, "a number >= 0 (0 samples greedily)"),
+    ("actor_rollout_ref.rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("actor_rollout_ref.rollout.val_kwargs.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("actor_rollout_ref.rollout.top_k", lambda v: v >= -1, "-1 or 0 (off), or an integer >= 1"),
+    ("actor_rollout_ref.rollout.val_kwargs.top_k", lambda v: v >= -1, "-1 or 0 (off), or an integer >= 1"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", lambda v: v >= 1, "an integer >= 1 (prompts per update)"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size", lambda v: v >= 1, "an integer >= 1, or null"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", lambda v: v >= 1, "an integer >= 1, or null"),
+    ("actor_rollout_ref.actor.ppo_epochs", lambda v: v >= 1, "an integer >= 1"),
+    ("actor_rollout_ref.actor.optim.lr", lambda v: 0 < v < math.inf, "a number > 0"),
+    ("actor_rollout_ref.actor.clip_ratio", lambda v: v > 0, "a number > 0"),
+    ("actor_rollout_ref.actor.clip_ratio_low", lambda v: v >= 0, "a number >= 0"),
+    ("actor_rollout_ref.actor.clip_ratio_high", lambda v: v >= 0, "a number >= 0"),
+    ("actor_rollout_ref.actor.clip_ratio_c", lambda v: v > 1, "a number > 1 (dual-clip PPO's lower bound)"),
+    ("trainer.total_epochs", lambda v: v >= 1, "an integer >= 1"),
+    ("trainer.total_training_steps", lambda v: v >= 1, "an integer >= 1, or null for total_epochs' worth"),
+    ("trainer.save_freq", lambda v: v >= -1, "-1 (never), or an integer >= 1 (every that many steps)"),
+    ("trainer.test_freq", lambda v: v >= -1, "-1 (never), or an integer >= 1 (every that many steps)"),
+    ("trainer.n_gpus_per_node", lambda v: v >= 1, "an integer >= 1 (forwarder workers per node)"),
+    ("trainer.nnodes", lambda v: v >= 1, "an integer >= 1"),
+)
+
+
+def check_ranges(config: DictConfig) -> None:
+    """Each number in :data:`RANGES` within its range. How the batch sizes relate is verl's own config check
+    (run before this one, :func:`verl_remote.train.prepare_config`); micro-batches are the backend's, as
+    verl-remote's forwarder hands it whole mini-batches, so their sizes need not divide."""
+    for key, valid, words in RANGES:
+        value = OmegaConf.select(config, key, throw_on_missing=False, default=None)
+        if _number(value) and not (math.isfinite(value) and valid(value)):
+            raise PreflightError(f"{key}={value}: out of range; expected {words}")
 
 
 def _paths(value: Any) -> list[str]:
@@ -213,6 +260,7 @@ def run_preflight(
 ) -> list[str]:
     """Every check, the backend's last; the notes worth printing. Raises :class:`PreflightError`."""
     check_types(config, defaults)
+    check_ranges(config)
     check_data(config)
     notes = check_model(config)
     check_output(config)

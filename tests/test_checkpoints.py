@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,8 @@ def test_auto_resume_passes_over_a_save_cut_short_for_the_newest_complete_one(tm
     _save(tmp_path, 2)
     _save(tmp_path, 4)
     _save(tmp_path, 6, sealed=False)  # verl moved the tracker, the record never came
+    looked = resume_target(str(tmp_path), move_tracker=False)  # the preflight's look, before the run holds the folder
+    assert looked.step == 4 and (tmp_path / TRACKER).read_text() == "6"
     choice = resume_target(str(tmp_path))
     assert choice.step == 4 and (tmp_path / TRACKER).read_text() == "4"
     assert choice.note == (
@@ -52,3 +55,17 @@ def test_a_damaged_only_checkpoint_is_refused_and_old_folders_are_trusted(tmp_pa
         resume_target(str(tmp_path / "run"))
     _save(tmp_path / "old", 2, sealed=False)  # saved before completion records existed
     assert resume_target(str(tmp_path / "old")).step == 2
+
+
+def test_a_run_refused_in_a_held_folder_leaves_its_checkpoints_as_they_were(tmp_path: Path, cli_main: Any) -> None:
+    """The preflight only looks: the tracker is moved by the run that holds the folder, never by a second one."""
+    from verl_remote.train import hold_run_folder
+
+    folder = tmp_path / "ckpt"
+    _save(folder, 2)
+    _save(folder, 4, sealed=False)  # the live run is saving step 4
+    with hold_run_folder(str(folder)):
+        code, _out, err = cli_main("train", f"trainer.default_local_dir={folder}", "trainer.total_training_steps=6")
+    assert code == 2, err[-2000:]
+    assert "another verl-remote run (pid " in err
+    assert (folder / TRACKER).read_text() == "4"

@@ -111,8 +111,9 @@ class Choice:
     note: str | None = None
 
 
-def resume_target(folder: str) -> Choice:
-    """The checkpoint an ``auto`` resume should load; moves the tracker when the latest is not complete.
+def resume_target(folder: str, *, move_tracker: bool = True) -> Choice:
+    """The checkpoint an ``auto`` resume should load; moves the tracker when the latest is not complete, unless
+    ``move_tracker`` is false (the preflight's look, before the run holds the folder: it writes nothing).
 
     Raises ValueError when the latest checkpoint is damaged and none before it is complete.
     """
@@ -136,7 +137,8 @@ def resume_target(folder: str) -> Choice:
             "checkpoint is complete"
         )
     chosen = earlier[0]
-    _write_synced(tracker, str(chosen))
+    if move_tracker:
+        _write_synced(tracker, str(chosen))
     return Choice(
         chosen,
         f"the latest checkpoint, global_step_{latest}, cannot be resumed: {problem}; resuming from "

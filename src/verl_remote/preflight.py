@@ -229,7 +229,8 @@ def check_resume(config: DictConfig) -> list[str]:
     if mode != "auto":
         return []
     try:
-        choice = resume_target(folder)
+        # Read-only: another run may hold the folder (refused next, under the lock); the run moves the tracker.
+        choice = resume_target(folder, move_tracker=False)
     except ValueError as exc:
         raise PreflightError(f"trainer.default_local_dir={folder}: {exc}; {start_over}") from exc
     if choice.step is not None and not os.path.isdir(os.path.join(folder, f"global_step_{choice.step}")):

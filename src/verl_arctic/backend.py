@@ -11,6 +11,7 @@ forwarders and rollout servers attach without creating anything.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -18,7 +19,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -371,6 +374,30 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass
+class _Tail:
+    lines: collections.deque[str]
+    done: threading.Event
+
+
+def _relay_stderr(proc: subprocess.Popen[bytes], keep: int = 15) -> _Tail:
+    """Pass the launched server's stderr on to this process's (the run's log) and keep its last lines."""
+    tail = _Tail(collections.deque(maxlen=keep), threading.Event())
+
+    def relay() -> None:
+        assert proc.stderr is not None
+        try:
+            for raw in iter(proc.stderr.readline, b""):
+                line = raw.decode(errors="replace").rstrip()
+                tail.lines.append(line)
+                print(line, file=sys.stderr, flush=True)
+        finally:
+            tail.done.set()
+
+    threading.Thread(target=relay, name="arctic-server-stderr", daemon=True).start()
+    return tail
+
+
 def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[bytes]:
     """Start the Arctic service with ``command`` and wait until ``url``/health answers.
 
@@ -378,12 +405,24 @@ def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[by
     would answer in its place.
     """
     require_free_port(url)
-    proc = subprocess.Popen(shlex.split(command), preexec_fn=_die_with_parent)
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):
+        # The interpreter verl-remote runs under, with verl-arctic installed, not whichever is first on PATH
+        # (a virtual environment used by its path, not activated, is not on it).
+        argv[0] = sys.executable
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+    tail = _relay_stderr(proc)
     deadline = time.monotonic() + timeout
     while True:
         code = proc.poll()
         if code is not None:
-            raise RuntimeError(f"the Arctic server command {command!r} exited with code {code} before becoming healthy")
+            proc.wait()
+            tail.done.wait(timeout=5)
+            last = "\n".join(tail.lines) or "(nothing on stderr)"
+            raise RuntimeError(
+                f"the Arctic server command {command!r} exited with code {code} before becoming healthy; "
+                f"its last lines on stderr:\n{last}"
+            )
         try:
             if httpx.get(f"{url.rstrip('/')}/health", timeout=2).status_code == 200:
                 return proc

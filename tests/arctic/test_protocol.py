@@ -9,6 +9,8 @@ parallelism, learning-rate warmup, weight syncs, checkpoints.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 from conversation import forward_payload, training_config, update_payload
 
-from conftest import serving_test_server
+from conftest import free_port, serving_test_server
 from verl_arctic import wire
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation
 from verl_arctic.testing.engine import DeepSpeedRefusal, deepspeed_setup
@@ -252,6 +254,26 @@ def test_a_steps_generate_calls_share_one_client_and_a_failure_names_its_error(
     with pytest.raises(ArcticError, match=f"Arctic call generate \\(POST {dead_url}/generate.*\\) failed: \\S"):
         asyncio.run(dead.agenerate(1, ["say 3"], {"max_tokens": 2}))
     assert client.call("status")["jobs"] == {}
+
+
+def test_a_launched_server_runs_under_verl_remotes_python_and_an_early_exit_shows_its_last_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """comms.launch's `python` is the interpreter verl-remote runs under, whatever `python` PATH finds first."""
+    from verl_arctic.backend import launch_server
+
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\necho 'another python' >&2\nexit 42\n")
+    (other / "python").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError) as exited:
+        launch_server("python -c 'import sys; print(sys.executable, file=sys.stderr); raise SystemExit(3)'", url, 60)
+    assert "exited with code 3 before becoming healthy; its last lines on stderr:\n" in str(exited.value)
+    assert str(exited.value).endswith(sys.executable)
+    with pytest.raises(RuntimeError, match=r"(?s)code 1 before .*No module named verl_arctic\.no_such_module$"):
+        launch_server("python -m verl_arctic.no_such_module", url, 60)
 
 
 def test_the_replica_names_a_generate_answer_without_the_asked_log_probs() -> None:

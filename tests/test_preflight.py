@@ -147,6 +147,21 @@ def test_the_cli_refuses_bad_input_with_exit_2_before_ray_starts(
     assert message in last_line(err)
 
 
+def test_a_refused_run_makes_nothing(tmp_path: Path, cli_main: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the demo's files (a cache of its own here) nor the checkpoint folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = f"trainer.default_local_dir={tmp_path / 'runs' / 'one'}"
+    for bad in (
+        "actor_rollout_ref.rollout.n=0",  # a range
+        "trainer.total_training_steps=abc",  # a type
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",  # verl's own check
+    ):
+        code, out, err = cli_main("train", bad, folder)
+        assert code == 2, err[-2000:]
+        assert "preparing the demo" not in out + err
+    assert list(tmp_path.iterdir()) == []
+
+
 class _Answer(http.server.BaseHTTPRequestHandler):
     body = b""
     status = 200

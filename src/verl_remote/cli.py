@@ -88,13 +88,19 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from verl_remote.compose import ConfigError, compose_config
-    from verl_remote.preflight import run_preflight
+    from verl_remote.preflight import check_numbers, run_preflight
     from verl_remote.registry import load_backend_class
     from verl_remote.train import Terminated, hold_run_folder, prepare_config, run
 
-    config = prepare_config(compose_config(args.overrides, recipe=args.recipe))
+    composed = compose_config(args.overrides, recipe=args.recipe)
+    backend_group = composed.get("remote_backend")
+    defaults = None
+    if backend_group is not None:  # without one, prepare_config says how to choose it
+        defaults = compose_config([f"remote_backend={backend_group.name}"], recipe=args.recipe)
+        check_numbers(composed, defaults)  # before the config is prepared: a refused run makes nothing
+    config = prepare_config(composed)
     name = str(config.remote_backend.name)
-    defaults = compose_config([f"remote_backend={name}"], recipe=args.recipe)
+    assert defaults is not None
     backend = load_backend_class(name)
     for note in run_preflight(
         config, defaults, backend.preflight, single_forwarder=backend.requires_single_forwarder()

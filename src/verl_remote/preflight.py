@@ -28,7 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_remote.compose import ConfigError
 
-__all__ = ["NUMERIC_KEYS", "RANGES", "PreflightError", "check_layout", "check_ranges", "run_preflight"]
+__all__ = ["NUMERIC_KEYS", "RANGES", "PreflightError", "check_layout", "check_numbers", "check_ranges", "run_preflight"]
 
 
 class PreflightError(ConfigError):
@@ -129,6 +129,13 @@ def check_ranges(config: DictConfig) -> None:
             raise PreflightError(f"{key}={value}: out of range; expected {words}")
 
 
+def check_numbers(config: DictConfig, defaults: DictConfig) -> None:
+    """The numbers verl computes with: of the right type (:func:`check_types`) and in range
+    (:func:`check_ranges`). Reads the config only, so it can run before anything is prepared."""
+    check_types(config, defaults)
+    check_ranges(config)
+
+
 def _paths(value: Any) -> list[str]:
     if value is None:
         return []
@@ -184,12 +191,16 @@ def check_model(config: DictConfig) -> list[str]:
 
 
 def check_output(config: DictConfig) -> None:
-    """The checkpoint folder can be created and written."""
+    """The checkpoint folder can be created and written; it is not created here (the run creates it once it
+    holds it): a probe in the folder, or in its nearest existing parent, is made and removed."""
     folder = str(config.trainer.default_local_dir)
+    existing = os.path.abspath(os.path.expanduser(folder))
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".verl-remote-write-check-"):
-            pass
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a folder")
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".verl-remote-write-check-"))
     except OSError as exc:
         raise PreflightError(
             f"trainer.default_local_dir={folder}: cannot write there ({exc.strerror or exc}); "
@@ -259,9 +270,11 @@ def run_preflight(
     *,
     single_forwarder: bool = False,
 ) -> list[str]:
-    """Every check, the backend's last; the notes worth printing. Raises :class:`PreflightError`."""
-    check_types(config, defaults)
-    check_ranges(config)
+    """Every check, the backend's last; the notes worth printing. Raises :class:`PreflightError`.
+
+    The numbers (:func:`check_numbers`) are checked again here; the CLI checks them first, before the config
+    is prepared (the demo's files made)."""
+    check_numbers(config, defaults)
     check_data(config)
     notes = check_model(config)
     check_output(config)

@@ -168,7 +168,6 @@ def prepare_config(config: DictConfig) -> DictConfig:
             f"actor_rollout_ref.rollout.name must be '{ROLLOUT_NAME}' for verl-remote "
             f"(got {config.actor_rollout_ref.rollout.name!r}): the backend samples the rollouts"
         )
-    resolve_demo_assets(config)
     with open_dict(config):
         # verl resolves these in its TaskRunner process; users mean their own working directory.
         config.trainer.default_local_dir = os.path.abspath(str(config.trainer.default_local_dir))
@@ -176,6 +175,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     except (AssertionError, ValueError) as exc:  # verl's own checks, e.g. batch sizes that do not divide
         raise ConfigError(f"verl rejected the config: {exc}") from exc
+    resolve_demo_assets(config)  # after verl's checks: a refused config makes nothing
     return config
 
 

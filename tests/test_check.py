@@ -55,7 +55,7 @@ def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones(cli_main:
 @pytest.mark.parametrize(
     ("defect", "failing", "fix"),
     [
-        ("shifted_log_probs", "weight_sync", "is scored at position n - r - 1 + j"),
+        ("shifted_log_probs", "log_prob_layout", "these are shifted 1 position(s) early"),
         ("ignore_max_tokens", "sampler", "stop at max_tokens"),
         ("load_nothing", "checkpoint", "restore the weights"),
     ],
@@ -92,3 +92,10 @@ def test_a_backend_without_verl_remotes_bases_fails_the_contract_check(ray_clust
     assert marks["spec"] == "ok" and marks["contract"] == "FAIL"
     assert "EchoWorker'> is not a subclass of verl_remote.worker.RemoteForwarderWorker" in out
     assert marks["destroy"] == "skip"  # no backend was made
+
+
+def test_a_backend_that_scores_padding_at_the_last_position_passes_every_check(ray_cluster: Any) -> None:
+    """verl never reads a row's last position: what a service puts there is not a defect."""
+    out = _checked("faulty", "remote_backend.defect=pad_log_prob_at_end")
+    assert set(_marks(out).values()) == {"ok"}, out
+    assert "the last positions hold [-2.5], which verl never reads" in out

@@ -237,7 +237,8 @@ class Conformance:
         return f"pid {pid}"
 
     def check_log_prob_layout(self) -> str:
-        """log-prob layout: one value per token of each row, the last 0, finite, the same for the same input."""
+        """log-prob layout: one finite value per token of each row, the same for the same input, and position t
+        scoring token t+1 (a teacher-forced re-score: changing a row's last token changes position n-2 only)."""
         rows = [p + q for p, q in zip(self.state.prompts, self.state.prompts[::-1], strict=True)]
         responses = [len(q) for q in self.state.prompts[::-1]]
         rows[-1], responses[-1] = list(rows[0]), responses[0]  # a repeated row must score the same
@@ -250,20 +251,42 @@ class Conformance:
         )
         per_row = _split(out, lengths)
         _expect(bool(np.all(np.isfinite(out))), "some log-probs are not finite", "check the service's dtype/overflow")
-        _expect(bool(np.all(out <= 1e-5)), f"a log-prob is positive ({out.max():.4g})", "return log-softmax values")
-        last = [float(r[-1]) for r in per_row]
-        _expect(
-            all(v == 0.0 for v in last),
-            f"the last position of each row holds {last}, not 0",
-            "position t holds log p(input_ids[t+1]); the last position predicts nothing and must be 0 "
-            "(verl_remote.compute describes the layout)",
-        )
+        read = np.concatenate([r[:-1] for r in per_row])  # verl never reads a row's last position
+        _expect(bool(np.all(read <= 1e-5)), f"a log-prob is positive ({read.max():.4g})", "return log-softmax values")
         diff = float(np.abs(per_row[0] - per_row[-1]).max())
         _expect(diff <= self.atol, f"the same row scored differently in one batch (by {diff:.3g})")
         again = self._log_probs(rows, responses)
         diff = float(np.abs(out - again).max())
         _expect(diff <= self.atol, f"the same batch scored differently twice (by {diff:.3g})")
-        return f"{len(rows)} rows of {min(lengths)}-{max(lengths)} tokens"
+        where = self._where_the_last_token_is_scored(rows[0], responses[0])
+        n = lengths[0]
+        _expect(
+            where == n - 2,
+            f"changing a row's last token (position {n - 1} of {n}) changes the log-prob at "
+            + (f"position {where}" if where is not None else "no position"),
+            "position t must hold log p(input_ids[t+1] | input_ids[:t+1]), so the last token is scored at position "
+            "n - 2; "
+            + (
+                f"these are shifted {abs(n - 2 - where)} position(s) {'early' if where < n - 2 else 'late'}"
+                if where is not None
+                else "the values do not depend on the tokens they score"
+            )
+            + " (verl_remote.compute describes the layout)",
+        )
+        last = {round(float(r[-1]), 4) for r in per_row}
+        note = "" if last == {0.0} else f"; the last positions hold {sorted(last)[:3]}, which verl never reads"
+        return f"{len(rows)} rows of {min(lengths)}-{max(lengths)} tokens, token t+1 scored at t{note}"
+
+    def _where_the_last_token_is_scored(self, row: list[int], response: int) -> int | None:
+        """The first position whose log-prob changes when only the row's last token changes (None: none does).
+        In verl's layout that is n - 2; the last position, which verl never reads, may change with it."""
+        base = self._log_probs([row], [response])
+        for delta in (1, 2, 3):
+            changed = [*row[:-1], (row[-1] + delta) % self.state.vocab]
+            moved = np.flatnonzero(np.abs(self._log_probs([changed], [response]) - base) > max(self.atol, 1e-6))
+            if len(moved):
+                return int(moved[0])
+        return None
 
     def check_reference(self) -> str:
         """reference log-probs: the same layout, and equal to the actor's before any update."""

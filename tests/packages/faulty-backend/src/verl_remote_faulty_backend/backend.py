@@ -88,6 +88,11 @@ class FaultyWorker(LocalForwarderWorker):
             # Position t holds log p(token t+2): each row one position early, its last still 0.
             rows = [torch.cat([row[1:], row.new_zeros(1)]) for row in log_probs.unbind(0)]
             log_probs = torch.nested.nested_tensor(rows, layout=torch.jagged)
+        elif self.backend.settings.get("defect") == "pad_log_prob_at_end":
+            # Not a defect for verl, which never reads a row's last position: a service that scores a padding
+            # token there. The checks must pass it.
+            rows = [torch.cat([row[:-1], row.new_full((1,), -2.5)]) for row in log_probs.unbind(0)]
+            log_probs = torch.nested.nested_tensor(rows, layout=torch.jagged)
         return log_probs, entropy
 
 

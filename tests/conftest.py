@@ -188,6 +188,23 @@ def read_until(proc: subprocess.Popen[str], marker: str) -> list[str]:
     raise AssertionError(f"the run ended before {marker!r}:\n" + "".join(seen[-40:]))
 
 
+def finish(proc: subprocess.Popen[str], timeout: float = 600) -> str:
+    """The rest of a background run's output once it ends (killed after ``timeout`` seconds).
+
+    Read through the same buffered reader :func:`read_until` used: ``communicate`` with a timeout reads the
+    pipe's descriptor directly and drops what that reader has buffered already.
+    """
+    assert proc.stdout is not None
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        rest = proc.stdout.read()
+        proc.wait()
+    finally:
+        timer.cancel()
+    return rest
+
+
 # -- shared training runs ----------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from conftest import (
     Run,
     TrainRuns,
     faulty_calls,
+    finish,
     last_line,
     left_behind,
     metric,
@@ -94,7 +95,7 @@ def test_a_second_run_in_the_same_folder_is_refused_and_one_in_another_folder_ru
     assert faulty_calls(calls).count("destroy") == 1
     assert left_behind(tmp_path) == {}
 
-    rest, _ = first.communicate(timeout=600)
+    rest = finish(first, timeout=600)
     demo = subprocess.CompletedProcess(
         command, first.returncode, "".join(seen) + rest, (folder / "stderr.txt").read_text()
     )
@@ -165,7 +166,7 @@ def _stop_at(proc: subprocess.Popen[str], marker: str, stop: signal.Signals) -> 
     seen = read_until(proc, marker)
     time.sleep(1.0)
     proc.send_signal(stop)
-    rest, _ = proc.communicate(timeout=300)
+    rest = finish(proc, timeout=300)
     return proc.returncode, "".join(seen) + rest
 
 

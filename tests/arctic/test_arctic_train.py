@@ -26,6 +26,7 @@ from conftest import (
     TrainRuns,
     arctic_jobs,
     arctic_process,
+    finish,
     free_port,
     last_line,
     left_behind,
@@ -155,7 +156,7 @@ def test_sigterm_sigkill_and_a_killed_server_stop_the_run_and_each_time_it_resum
         read_until(proc, "step:2 ")
         assert arctic_jobs(url) != {}
         proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=300)
+        rest = finish(proc, timeout=300)
         assert proc.returncode == 143, rest[-3000:]
         assert last_line(rest) == "verl-remote train: terminated by SIGTERM"
         assert "verl-remote: terminated (SIGTERM); destroying the backend" in rest
@@ -184,7 +185,7 @@ def test_sigterm_sigkill_and_a_killed_server_stop_the_run_and_each_time_it_resum
         for pid in server.stdout.split():
             os.kill(int(pid), signal.SIGKILL)  # the service dies, as a crashed or preempted node does
         killed_at = time.monotonic()
-        rest, _ = proc.communicate(timeout=600)
+        rest = finish(proc, timeout=600)
     failed_after = time.monotonic() - killed_at
     last = last_line(rest)
     assert proc.returncode == 1, rest[-3000:]

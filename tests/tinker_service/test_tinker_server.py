@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_local_server import listening, session_processes, wait_gone
 
-from conftest import free_port, last_line, live_actors, metric, read_until, start, steps, train
+from conftest import finish, free_port, last_line, live_actors, metric, read_until, start, steps, train
 from verl_remote.compose import compose_config
 from verl_remote.compute import actor_loss
 from verl_tinker.local_server import LocalServer, start_local_server
@@ -165,7 +165,7 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     [model] = _loaded(tinker_server)
     answer = httpx.post(f"{tinker_server.url}/api/v1/unload_model", json={"model_id": model}, timeout=30)
     assert answer.status_code == 200, answer.text
-    rest, _ = proc.communicate(timeout=600)
+    rest = finish(proc, timeout=600)
     assert proc.returncode == 1, rest[-3000:]
     last = last_line(rest)
     assert last.startswith("verl-remote train: the run failed: "), last
@@ -225,7 +225,7 @@ def test_a_service_killed_mid_run_stops_the_run_within_its_timeout_and_the_serve
     finally:
         server.stop()  # the service goes away
     killed_at = time.monotonic()
-    rest, _ = proc.communicate(timeout=600)
+    rest = finish(proc, timeout=600)
     failed_after = time.monotonic() - killed_at
     assert proc.returncode == 1, rest[-3000:]
     last = last_line(rest)

@@ -258,7 +258,7 @@ class Conformance:
         again = self._log_probs(rows, responses)
         diff = float(np.abs(out - again).max())
         _expect(diff <= self.atol, f"the same batch scored differently twice (by {diff:.3g})")
-        where = self._where_the_last_token_is_scored(rows[0], responses[0])
+        where = self._where_the_last_token_is_scored(rows, responses, per_row[0])
         n = lengths[0]
         _expect(
             where == n - 2,
@@ -277,13 +277,18 @@ class Conformance:
         note = "" if last == {0.0} else f"; the last positions hold {sorted(last)[:3]}, which verl never reads"
         return f"{len(rows)} rows of {min(lengths)}-{max(lengths)} tokens, token t+1 scored at t{note}"
 
-    def _where_the_last_token_is_scored(self, row: list[int], response: int) -> int | None:
-        """The first position whose log-prob changes when only the row's last token changes (None: none does).
-        In verl's layout that is n - 2; the last position, which verl never reads, may change with it."""
-        base = self._log_probs([row], [response])
+    def _where_the_last_token_is_scored(
+        self, rows: list[list[int]], responses: list[int], first: np.ndarray
+    ) -> int | None:
+        """The first position of ``rows[0]`` whose log-prob changes when only its last token changes (None: none
+        does); ``first`` is that row's log-probs as they are. In verl's layout that is n - 2; the last position,
+        which verl never reads, may change with it. The whole batch is sent each time, as verl sends it: a
+        service splits a batch across its ranks and may refuse fewer rows than it has ranks."""
+        lengths = [len(r) for r in rows]
         for delta in (1, 2, 3):
-            changed = [*row[:-1], (row[-1] + delta) % self.state.vocab]
-            moved = np.flatnonzero(np.abs(self._log_probs([changed], [response]) - base) > max(self.atol, 1e-6))
+            changed = [[*rows[0][:-1], (rows[0][-1] + delta) % self.state.vocab], *rows[1:]]
+            scored = _split(self._log_probs(changed, responses), lengths)[0]
+            moved = np.flatnonzero(np.abs(scored - first) > max(self.atol, 1e-6))
             if len(moved):
                 return int(moved[0])
         return None

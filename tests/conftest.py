@@ -9,7 +9,7 @@ What is expensive is set up once and shared (CONTRIBUTING.md, "The suite's budge
   a run of a configuration another test has asks for the same run and asserts on it; a test that resumes
   copies the run's checkpoint folder (:meth:`Run.clone`) instead of training again.
 - the Arctic test server as its own process, one per protocol generation and module (:func:`arctic_process`);
-- SkyRL's Tinker server, one per session (:func:`tinker_server`);
+- SkyRL's Tinker server, one for its module (:func:`tinker_server`);
 - refusals of the CLI, run in this process (:func:`cli_main`) instead of a new interpreter that imports verl.
 """
 
@@ -428,9 +428,10 @@ def arctic_jobs(url: str) -> dict[str, object]:
 # -- SkyRL's Tinker server (tests/tinker_service) ----------------------------------------------
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tinker_server() -> Iterator[Any]:
-    """SkyRL's real Tinker-API server (``verl_tinker.local_server.LocalServer``), one for the test session.
+    """SkyRL's real Tinker-API server (``verl_tinker.local_server.LocalServer``), one for the test module (so that
+    it does not idle on a worker once the module is done); a test may stop it (``stop`` is idempotent).
 
     Its Python 3.12 environment is built on first use (minutes; then cached under
     ``~/.cache/verl-remote/tinker-server``); it serves verl-remote's demo model, which the runs also load.

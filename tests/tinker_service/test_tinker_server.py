@@ -24,7 +24,7 @@ from test_local_server import listening, session_processes, wait_gone
 from conftest import finish, free_port, last_line, live_actors, metric, read_until, start, steps, train
 from verl_remote.compose import compose_config
 from verl_remote.compute import actor_loss
-from verl_tinker.local_server import LocalServer, start_local_server
+from verl_tinker.local_server import LocalServer
 from verl_tinker.session import TinkerSession
 from verl_tinker.worker import linearised_datums
 
@@ -187,14 +187,14 @@ def test_an_unreachable_service_fails_before_anything_starts(cli_main: Any) -> N
 
 @pytest.mark.faults
 def test_a_service_killed_mid_run_stops_the_run_within_its_timeout_and_the_server_stops_everything(
-    tmp_path: Path, ray_left_behind: Any
+    tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
 ) -> None:
-    """A server of its own (verl_tinker.local_server): an SDK client trains on it, then a run; the server is
-    stopped mid-run, as a crashed or preempted node goes away, with every process it started."""
+    """An SDK client trains on the module's server, then a run; the server is stopped mid-run, as a crashed or
+    preempted node goes away, with every process it started. It ends the module's server: this test comes last."""
     import tinker
     from tinker import types
 
-    server = start_local_server()
+    server = tinker_server
     try:
         host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
         processes = session_processes(server.pid)

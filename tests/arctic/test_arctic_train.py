@@ -48,46 +48,57 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield url, generation
 
 
+KL_RECIPE = ("--recipe", str(ROOT / "configs" / "grpo-kl.yaml"))
+
+
 def _base_run(train_runs: TrainRuns, url: str) -> Any:
     """2 steps of GRPO with a KL penalty, saving at step 2."""
     return train_runs(
-        "--recipe", str(ROOT / "configs" / "grpo-kl.yaml"), "remote_backend=arctic", f"remote_backend.comms.url={url}",
+        *KL_RECIPE, "remote_backend=arctic", f"remote_backend.comms.url={url}",
         "trainer.total_training_steps=2", "trainer.save_freq=2",
     )  # fmt: skip
 
 
+def _assert_trained_two_kl_steps(output: str, ckpt: Path, generation: str) -> None:
+    """What 2 steps of the KL recipe show: the sampler had the trained weights each step (its log-probs are the
+    trainer's), the reference job kept the initial weights while training moved away, and the step-2 save
+    points at Arctic's checkpoint."""
+    assert steps(output)[:2] == [1, 2]
+    diffs = metric(output, "training/rollout_probs_diff_max")
+    assert len(diffs) == 2 and max(diffs) < 1e-4
+    kl = metric(output, "actor/kl_loss")
+    assert kl[0] == 0.0 and kl[1] > 0.0
+    pointer = json.loads((ckpt / "global_step_2" / "actor" / "arctic_checkpoint.json").read_text())
+    assert pointer["step"] == 2 and pointer["generation"] == generation and Path(pointer["path"]).is_dir()
+
+
+@pytest.mark.parametrize("server", ["v0.1"], indirect=True)
 def test_grpo_with_a_kl_penalty_trains_saves_and_destroys_its_jobs(
     server: tuple[str, str], train_runs: TrainRuns
 ) -> None:
+    """Protocol v0.1 from start to a clean end. (The same on main is the first run of the SIGTERM test below,
+    and a run on main that ends cleanly is its last.)"""
     url, generation = server
     made = _base_run(train_runs, url).ok()
     assert steps(made.out.stdout) == [1, 2]
-    # The sampler got the trained weights each step: its log-probs are the trainer's.
-    diffs = metric(made.out.stdout, "training/rollout_probs_diff_max")
-    assert len(diffs) == 2 and max(diffs) < 1e-4
-    kl = metric(made.out.stdout, "actor/kl_loss")
-    assert kl[0] == 0.0 and kl[1] > 0.0  # the reference job keeps the initial weights; training moves away
-    pointer = json.loads((made.ckpt / "global_step_2" / "actor" / "arctic_checkpoint.json").read_text())
-    assert pointer["step"] == 2 and pointer["generation"] == generation and Path(pointer["path"]).is_dir()
+    _assert_trained_two_kl_steps(made.out.stdout, made.ckpt, generation)
     assert arctic_jobs(url) == {}
     assert left_behind(made.folder) == {}
 
 
-def test_resume_from_an_arctic_checkpoint(
+@pytest.mark.parametrize("server", ["v0.1"], indirect=True)
+def test_a_v0_1_checkpoint_cannot_be_resumed_and_the_run_is_refused_before_anything_starts(
     server: tuple[str, str], train_runs: TrainRuns, tmp_path: Path, cli_main: Any
 ) -> None:
-    url, generation = server
+    """Arctic's v0.1 protocol has no load-checkpoint call. (Resuming on main: the SIGTERM test below, three
+    times.)"""
+    url, _generation = server
     _base_run(train_runs, url).ok().clone(tmp_path)
     resume = ["remote_backend=arctic", f"remote_backend.comms.url={url}", "trainer.total_training_steps=3"]
-    if generation == "main":
-        second = train(tmp_path, *resume, "trainer.resume_mode=auto")
-        assert second.returncode == 0, second.stderr[-3000:]
-        assert steps(second.stdout) == [3]
-    else:  # refused before anything starts (cli_main fails if Ray started)
-        code, _out, err = cli_main("train", *resume, f"trainer.default_local_dir={tmp_path / 'ckpt'}")
-        assert code == 2, err[-3000:]
-        assert "Arctic protocol v0.1 at" in last_line(err) and "has no load-checkpoint call" in last_line(err)
-        assert "set trainer.resume_mode=disable to start over" in last_line(err)
+    code, _out, err = cli_main("train", *resume, f"trainer.default_local_dir={tmp_path / 'ckpt'}")
+    assert code == 2, err[-3000:]  # refused before anything starts (cli_main fails if Ray started)
+    assert "Arctic protocol v0.1 at" in last_line(err) and "has no load-checkpoint call" in last_line(err)
+    assert "set trainer.resume_mode=disable to start over" in last_line(err)
     assert arctic_jobs(url) == {}
 
 
@@ -141,7 +152,8 @@ def test_a_sampler_failure_stops_that_step_in_the_samplers_own_words(tmp_path: P
 def test_sigterm_sigkill_and_a_killed_server_stop_the_run_and_each_time_it_resumes(tmp_path: Path) -> None:
     """One run stopped three ways, each stop resumed by the next run in the same folder:
 
-    - SIGTERM (kill, systemd, schedulers, `ray job stop`) after step 2: the jobs go, the checkpoint stays;
+    - SIGTERM (kill, systemd, schedulers, `ray job stop`) after step 2 of GRPO with a KL penalty, which has
+      trained as it should until then: the jobs go, the checkpoint stays;
     - SIGKILL of the driver after step 4: no chance to clean up, so the dead run's jobs stay on the service,
       recorded in its folder, and the next run removes them;
     - the service killed after step 6: the step stops in Arctic's words; the run resumes once it is back, here
@@ -152,11 +164,12 @@ def test_sigterm_sigkill_and_a_killed_server_stop_the_run_and_each_time_it_resum
     log = tmp_path / "server.log"
     arctic = ["remote_backend=arctic", f"remote_backend.comms.url=http://127.0.0.1:{port}", "trainer.save_freq=2"]
     with arctic_process("main", log, port=port) as url:
-        proc = start(tmp_path, *arctic, "trainer.total_training_steps=4")
-        read_until(proc, "step:2 ")
+        proc = start(tmp_path, *KL_RECIPE, *arctic, "trainer.total_training_steps=4")
+        seen = "".join(read_until(proc, "step:2 "))
         assert arctic_jobs(url) != {}
         proc.send_signal(signal.SIGTERM)
         rest = finish(proc, timeout=300)
+        _assert_trained_two_kl_steps(seen, ckpt, "main")
         assert proc.returncode == 143, rest[-3000:]
         assert last_line(rest) == "verl-remote train: terminated by SIGTERM"
         assert "verl-remote: terminated (SIGTERM); destroying the backend" in rest

@@ -7,7 +7,6 @@ verl-remote and through verl's own main_ppo) and inside a Ray worker.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -20,19 +19,6 @@ import yaml
 from conftest import ROOT, TEST_PACKAGES, run, steps
 
 pytestmark = pytest.mark.slow
-
-RAY_WORKER_CHECK = """
-import json, ray
-ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-try:
-    def resolve():
-        import sys, verl
-        from verl_remote import load_backend_class
-        return [load_backend_class("echo").__module__, "verl_remote.verl_plugin" in sys.modules]
-    print(json.dumps(ray.get(ray.remote(resolve).remote(), timeout=300)))
-finally:
-    ray.shutdown()
-"""
 
 
 def _clean_env() -> dict[str, str]:
@@ -143,13 +129,11 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
     assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", stdout), stdout[-3000:]
     assert ray_left_behind() == {}  # Ray's workers end within seconds of the driver
 
-    code, stdout, stderr = in_venv(bin_dir / "python", "-c", RAY_WORKER_CHECK)
-    assert code == 0, stderr[-3000:]
-    assert json.loads(stdout.strip().splitlines()[-1]) == ["verl_remote_echo_backend.backend", True]
-
     code, stdout, stderr = in_venv(bin_dir / "verl-remote", "doctor")
     assert code == 0, stdout + stderr
     assert re.fullmatch(r"doctor: \d+ checks passed, 0 failed", stdout.splitlines()[-1]), stdout
+    # In a Ray worker: verl loaded verl-remote's plugin, and each backend resolves by name from its wheel.
+    assert "[ok  ] Ray worker: verl loads the verl-remote plugin: verl loaded verl_remote.verl_plugin" in stdout
     assert "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend tinker (verl-tinker 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads" in stdout

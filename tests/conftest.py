@@ -38,6 +38,11 @@ REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend", "verl-remo
 #: Settings of every test run: no validation before the first step, none during the run.
 QUICK = ("trainer.val_before_train=false", "trainer.test_freq=-1")
 
+# Ray starts spare Python workers with a driver's first job; a run's actors rarely use them, and on 2 cores each
+# costs CPU the other runs of the suite need (about 7 CPU-seconds a run: docs/measurements.md). Every Ray
+# instance the tests start, in this process or in a run's, inherits this.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     missing = []

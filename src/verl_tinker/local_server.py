@@ -1,6 +1,7 @@
 """SkyRL's open-source Tinker-API server, run locally for development and tests.
 
     python -m verl_tinker.local_server [--port N] [--host 127.0.0.1] [--model PATH] [--python PY312] [--workdir DIR]
+                                       [--sample-batch N]
 
 starts the Tinker-API server of ``skyrl[tinker,jax]==0.4.0`` (JAX backend),
 serving a small local model (by default verl-remote's demo model), waits until
@@ -41,6 +42,17 @@ database and the engine picks them up only once its backend is built
 server counts as ready when a LoRA model can actually be created: a probe
 session creates a rank-1 LoRA model on the served model, waits for that future
 to complete (``/api/v1/retrieve_future``), and unloads it again.
+
+Speed on a CPU. SkyRL's JAX backend compiles its sampler for every batch
+shape it meets: a batch of sampling requests is as many sequences as its
+requests ask for, so without a fixed size nearly every batch of a run is a
+new shape and costs a compilation (5 s on a 2-core machine, where sampling
+the demo's 64 sequences then takes 0.4 s). The server is therefore started
+with SkyRL's own ``sample_max_num_sequences`` (``--sample-batch``, default
+64: a step of the demo): every batch is padded to that many sequences, one
+shape, compiled once. JAX's persistent compilation cache
+(``JAX_COMPILATION_CACHE_DIR``, default ``jax-cache`` beside the environment)
+keeps the compiled programs for the next start.
 
 Stopping. The server runs in a session of its own (uv, the API process, the
 engine's uv and the engine process). Stopping sends SIGTERM to the first uv,
@@ -100,6 +112,8 @@ HOW_TO_GET_PYTHON = (
     f"or your OS's python{PYTHON_VERSION} and python{PYTHON_VERSION}-venv packages) and pass "
     f"--python /path/to/python{PYTHON_VERSION} or set ${PYTHON_ENV_VAR}"
 )
+#: SkyRL's ``sample_max_num_sequences``: sampling batches are padded to this many sequences (one compiled shape).
+SAMPLE_BATCH = 64
 #: Seconds between SIGTERM and SIGKILL when stopping.
 STOP_GRACE = 10.0
 LOG_TAIL_LINES = 40
@@ -487,6 +501,8 @@ class LocalServer:
 
 def _server_environment(venv: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    # Compiled programs kept for the next start (see the module docstring), unless the user keeps them elsewhere.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(venv.parent / "jax-cache"))
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', os.defpath)}"  # the engine is started as `uv run`
     env["VIRTUAL_ENV"] = str(venv)
     env.update(
@@ -509,6 +525,7 @@ def start_local_server(
     workdir: Path | None = None,
     python: str | None = None,
     timeout: float = 300,
+    sample_batch: int = SAMPLE_BATCH,
 ) -> LocalServer:
     """Start SkyRL's Tinker server and return it once a LoRA training client can be created on ``model``.
 
@@ -516,9 +533,13 @@ def start_local_server(
     model (a local directory is made absolute; anything else is a Hugging Face
     model id, which SkyRL downloads); ``workdir`` None uses a new temporary folder, deleted on stop (the
     database, checkpoints and ``server.log`` go there); ``python`` is the Python
-    3.12 used if the environment has to be built. Raises LocalServerError if it
-    cannot start; nothing it started is left running then.
+    3.12 used if the environment has to be built; ``sample_batch`` the number of
+    sequences every sampling batch is padded to (0: no padding, SkyRL's default;
+    see the module docstring). Raises LocalServerError if it cannot start;
+    nothing it started is left running then.
     """
+    if sample_batch < 0:
+        raise LocalServerError(f"sample_batch={sample_batch}: expected 0 (no padding) or a number of sequences")
     venv = ensure_server_env(python)
     if model is None:
         from verl_remote.demo.assets import ensure_demo_assets
@@ -554,6 +575,8 @@ def start_local_server(
         f"sqlite:///{work / 'tinker.db'}",
         "--checkpoints-base",
         str(work / "checkpoints"),
+        "--backend-config",
+        json.dumps({"sample_max_num_sequences": sample_batch}),
     ]
     with (work / "server.log").open("ab") as log:
         log.write(f"$ {' '.join(command)}\n".encode())
@@ -624,11 +647,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the database, checkpoints and server.log here (default: a temporary folder, deleted on exit)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server (default: 300)")
+    parser.add_argument(
+        "--sample-batch",
+        type=int,
+        default=SAMPLE_BATCH,
+        help="pad every sampling batch to this many sequences, so that the sampler is compiled once "
+        "(0: no padding; default: %(default)s, a step of verl-remote's demo)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.sample_batch < 0:
+        print(f"{PREFIX} error: --sample-batch {args.sample_batch}: expected 0 (no padding) or more", file=sys.stderr)
+        return 2
     with _stop_on_signals():
         try:
             python = args.python
@@ -639,7 +672,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{PREFIX} error: {exc}", file=sys.stderr)
                     return 2
             server = start_local_server(
-                args.port, model=args.model, host=args.host, workdir=args.workdir, python=python, timeout=args.timeout
+                args.port,
+                model=args.model,
+                host=args.host,
+                workdir=args.workdir,
+                python=python,
+                timeout=args.timeout,
+                sample_batch=args.sample_batch,
             )
         except LocalServerError as exc:
             print(f"{PREFIX} error: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from verl_tinker.local_server import STOP_GRACE, LocalServerError, find_python312
+from verl_tinker.local_server import STOP_GRACE, LocalServerError, find_python312, start_local_server
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
@@ -66,6 +66,22 @@ def test_cli_without_python312_exits_2_with_one_line() -> None:
     assert "VERL_TINKER_PYTHON" in lines[0]
 
 
+def test_a_negative_sample_batch_exits_2_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_tinker.local_server", "--sample-batch", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "verl-tinker: error: --sample-batch -1: expected 0 (no padding) or more"
+    ]
+    with pytest.raises(LocalServerError, match=r"^sample_batch=-1: expected 0 \(no padding\) or a number"):
+        start_local_server(sample_batch=-1)
+
+
 @pytest.mark.tinker
 def test_cli_runs_until_sigint_and_leaves_nothing(tmp_path: Path) -> None:
     workdir = tmp_path / "work"
@@ -91,6 +107,15 @@ def test_cli_runs_until_sigint_and_leaves_nothing(tmp_path: Path) -> None:
         server_sessions.update(os.getsid(p.pid) for p in psutil.Process(process.pid).children(recursive=True))
         server_sessions.discard(process.pid)
         assert len(server_sessions) == 1  # the server runs in a session of its own
+        # SkyRL's engine pads every sampling batch to the demo's step (one shape, compiled once) and keeps what
+        # JAX compiles beside the environment, for the next start.
+        (engine,) = [
+            p
+            for p in session_processes(*server_sessions)
+            if "skyrl.tinker.engine" in p.cmdline() and Path(p.cmdline()[0]).name.startswith("python")
+        ]
+        assert '"sample_max_num_sequences": 64' in " ".join(engine.cmdline())
+        assert engine.environ()["JAX_COMPILATION_CACHE_DIR"].endswith("/jax-cache")
 
         process.send_signal(signal.SIGINT)
         # Stopping waits STOP_GRACE for SkyRL's own shutdown, then kills what is left and waits again.

@@ -222,7 +222,9 @@ class Conformance:
         config = self.state.config
         host = (
             ray.remote(ServerHost)
-            .options(num_cpus=0, max_concurrency=4)
+            # As verl runs its rollout servers: Ray's default for async actors (verl's RolloutReplica.max_concurrency),
+            # so a step's requests reach the sampler together, as they do in a run.
+            .options(num_cpus=0, max_concurrency=1000)
             .remote(self.name, config.actor_rollout_ref.rollout, config.actor_rollout_ref.model)
         )
         pid = ray.get(host.pid.remote(), timeout=600)

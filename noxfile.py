@@ -25,8 +25,10 @@ nox.options.reuse_existing_virtualenvs = True
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite, against the real verl, Ray and Hydra (installs verl-remote and the test backends)."""
-    session.install("-c", CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES, *EXAMPLES)
-    session.install("-c", CONSTRAINTS, "pytest", "pytest-xdist")
+    session.install("-c", CONSTRAINTS, "hatchling>=1.26", "pytest", "pytest-xdist")
+    # The projects of this checkout, built with the hatchling above rather than in a new build environment each
+    # (25 s less on every run; `nox -s build` builds them in isolation, as the package index would).
+    session.install("--no-build-isolation", "-c", CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES, *EXAMPLES)
     # Two workers, a module to a worker at a time, the longest modules first (tests/conftest.py): on 2 cores the
     # suite takes about three quarters of its time in one process, as much of a run's start-up waits rather than
     # computes (docs/measurements.md). `-- -n 0` runs it in one process. It ends with the 15 slowest tests and

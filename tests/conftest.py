@@ -35,8 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST_PACKAGES = ROOT / "tests" / "packages"
 REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend", "verl-remote-faulty-backend")
 
-#: Settings of every test run: no validation before the first step, none during the run.
-QUICK = ("trainer.val_before_train=false", "trainer.test_freq=-1")
+#: Settings of every test run: no validation before the first step, none during the run, and no Ray dashboard (its
+#: head and module processes cost a run about 5 CPU-seconds of its 70; docs/measurements.md). A run that joins a
+#: cluster ignores the last. The runs that test the defaults as a user meets them (the fresh environment's launcher
+#: run, the runs against Arctic's own servers) do not use these.
+QUICK = (
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "+ray_kwargs.ray_init.include_dashboard=false",
+)
 
 # Ray starts spare Python workers with a driver's first job; a run's actors rarely use them, and on 2 cores each
 # costs CPU the other runs of the suite need (about 7 CPU-seconds a run: docs/measurements.md). Every Ray

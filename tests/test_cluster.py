@@ -126,17 +126,28 @@ def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_
     calls = tmp_path / "calls.txt"
     backend = ["remote_backend=faulty", f"remote_backend.calls_log={calls}"]
 
-    done = cluster.cli(
-        "job", "submit", "--", script(), "train", *backend, *QUICK, "trainer.save_freq=2",
-        "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        timeout=600,
+    # `ray job submit`: the run trains on the worker nodes. `ray job stop` once step 2 is saved (the steps after a
+    # save are slow, so the stop lands in step 3): SIGTERM to the entrypoint, which destroys the backend within
+    # Ray's grace period.
+    submitted = cluster.cli(
+        "job", "submit", "--no-wait", "--submission-id=stopped", "--", script(), "train", *backend, *QUICK,
+        "trainer.save_freq=2", "remote_backend.hold_after_save_s=30", "trainer.total_training_steps=40",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "succeeded" in done.stdout + done.stderr
-    assert _steps(done.stdout) == [1, 2]
-    assert "joining a running Ray cluster" in done.stdout
-    assert "verl-remote: the 2 nodes with CPUs see the run's data, model and folder" in done.stdout
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    deadline = time.monotonic() + 600
+    while "step:2 " not in cluster.cli("job", "logs", "stopped").stdout:
+        assert time.monotonic() < deadline, cluster.cli("job", "logs", "stopped").stdout[-3000:]
+        time.sleep(2)
+    stopped = cluster.cli("job", "stop", "stopped")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    logs = cluster.cli("job", "logs", "stopped").stdout
+    assert _steps(logs) == [1, 2]
+    assert "joining a running Ray cluster" in logs
+    assert "verl-remote: the 2 nodes with CPUs see the run's data, model and folder" in logs
+    assert "verl-remote: terminated (SIGTERM); destroying the backend" in logs
     assert faulty_calls(calls).count("destroy") == 1
+    assert faulty_calls(calls)[-1] == "destroy"
 
     head = cluster.head_node_id()
     placed = {(a["class_name"], a["node_id"]) for a in cluster.listed("actors") if a["class_name"] != "JobSupervisor"}
@@ -161,25 +172,6 @@ def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_
     assert "load_checkpoint 2" in faulty_calls(calls)
     assert cluster.alive_actors() == []
 
-    # `ray job stop`: SIGTERM to the entrypoint, which destroys the backend within Ray's grace period.
-    calls.unlink()
-    submitted = cluster.cli(
-        "job", "submit", "--no-wait", "--submission-id=stopped", "--", script(), "train", *backend, *QUICK,
-        "trainer.total_training_steps=40", f"trainer.default_local_dir={tmp_path / 'ckpt-stopped'}",
-    )  # fmt: skip
-    assert submitted.returncode == 0, submitted.stderr[-3000:]
-    deadline = time.monotonic() + 300
-    while "step:1 " not in cluster.cli("job", "logs", "stopped").stdout:
-        assert time.monotonic() < deadline, cluster.cli("job", "logs", "stopped").stdout[-3000:]
-        time.sleep(2)
-    stopped = cluster.cli("job", "stop", "stopped")
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    logs = cluster.cli("job", "logs", "stopped").stdout
-    assert "verl-remote: terminated (SIGTERM); destroying the backend" in logs
-    assert "destroy" in faulty_calls(calls)
-    assert cluster.alive_actors() == []
-    assert cluster.placement_groups_left() == []
-
     # verl's own launcher as the entrypoint, given the printed overrides (less the CPU count a cluster has already),
     # resumes the driver's run through verl-remote's checkpoint records: the next step, from the saved state.
     calls.unlink()
@@ -193,6 +185,7 @@ def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_
         timeout=600,
     )  # fmt: skip
     assert verl.returncode == 0, verl.stdout[-3000:] + verl.stderr[-3000:]
+    assert "succeeded" in verl.stdout + verl.stderr
     assert _steps(verl.stdout) == [4]
     assert re.search(r"verl-remote: 1 steps \(4-4\); mean reward \d\.\d{3} over the first 1", verl.stdout)
     assert faulty_calls(calls)[0] == "load_checkpoint 3"

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from conftest import ROOT, run
+from conftest import ROOT
 from verl_remote import BackendNotFoundError, DuplicateBackendError
 from verl_remote.compose import ConfigError, compose_config
 
@@ -115,24 +114,6 @@ def test_a_group_file_must_name_its_backend(tmp_path: Path) -> None:
     # The broken distribution ships remote_backend/other.yaml with 'name: other' but no backend 'other'.
     with pytest.raises(BackendNotFoundError, match="backend 'other' is not installed"):
         compose_config(["remote_backend=other"], recipe=recipe)
-
-
-def test_verl_main_ppo_sees_the_same_group_with_plus() -> None:
-    out = run(
-        sys.executable,
-        "-m",
-        "verl.trainer.main_ppo",
-        "+remote_backend=echo",
-        "remote_backend.state_dir=/srv/x",
-        "--cfg",
-        "job",
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    printed = yaml.safe_load(out.stdout)
-    assert printed["remote_backend"] == {"name": "echo", "state_dir": "/srv/x"}
-    ours = compose_config(["remote_backend=echo", "remote_backend.state_dir=/srv/x"])
-    assert printed["remote_backend"] == dict(ours.remote_backend)
-    assert printed["trainer"]["use_v1"] == ours.trainer.use_v1
 
 
 @pytest.mark.parametrize(

@@ -36,9 +36,8 @@ TEST_PACKAGES = ROOT / "tests" / "packages"
 REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend", "verl-remote-faulty-backend")
 
 #: Settings of every test run: no validation before the first step, none during the run, and no Ray dashboard (its
-#: head and module processes cost a run about 5 CPU-seconds of its 70; docs/measurements.md). A run that joins a
-#: cluster ignores the last. The runs that test the defaults as a user meets them (the fresh environment's launcher
-#: run, the runs against Arctic's own servers) do not use these.
+#: head and module processes cost a run about 5 CPU-seconds of its 74; docs/measurements.md). A run that joins a
+#: cluster ignores the last. The fresh environment's run of verl's launcher keeps verl's defaults.
 QUICK = (
     "trainer.val_before_train=false",
     "trainer.test_freq=-1",

@@ -26,7 +26,7 @@ import pytest
 from conversation import TRAINING_RANKS, Observation, converse
 from real.vendor import real_arctic_server
 
-from conftest import arctic_jobs, cli, free_port, serving_test_server, steps
+from conftest import arctic_jobs, free_port, metric, serving_test_server, steps, train
 from verl_remote.demo.assets import ensure_demo_assets
 
 pytestmark = pytest.mark.arctic_real
@@ -112,21 +112,16 @@ def test_our_test_server_answers_every_route_as_arctics_own_server(arctic: Arcti
 @pytest.mark.train
 def test_verl_remote_trains_against_arctics_own_server(arctic: Arctic, tmp_path: Path) -> None:
     """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client."""
-    out = cli(
-        "train",
+    out = train(
+        tmp_path,
         "remote_backend=arctic",
         f"remote_backend.comms.url={arctic.url}",
         f"remote_backend.training_gpus={TRAINING_RANKS}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "trainer.total_training_steps=2",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        cwd=tmp_path,
-        timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert steps(out.stdout)[-2:] == [1, 2]
-    diffs = [float(p.split(":")[1]) for p in out.stdout.split() if p.startswith("training/rollout_probs_diff_max:")]
+    diffs = metric(out.stdout, "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step
     assert arctic_jobs(arctic.url) == {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import time
@@ -171,16 +172,16 @@ def _stop_at(proc: subprocess.Popen[str], marker: str, stop: signal.Signals) -> 
 
 
 @pytest.mark.faults
-def test_ctrl_c_and_sigkill_stop_the_run_and_each_time_it_resumes_from_the_last_complete_checkpoint(
+def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resumes_from_the_last_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """One run stopped two ways, each stop resumed by the next run in the same folder:
+    """One run stopped three ways, each stop resumed by the next run in the same folder:
 
     Ctrl-C after step 2 destroys the backend once (the run has a KL penalty: verl asks the backend for reference
     log-probs each step); the next run resumes at step 3 and is killed (SIGKILL) in the middle of the step-6 save;
-    the run after it resumes at step 5, from the step-4 checkpoint, with its exact weights. After SIGKILL the
-    run's watchdog ends what Ray's own cleanup would leave for minutes. (SIGTERM: tests/arctic/test_arctic_train.py
-    and, through `ray job stop`, tests/test_cluster.py.)
+    the run after it resumes at step 5, from the step-4 checkpoint, with its exact weights, until its sampler fails
+    at step 7. After SIGKILL the run's watchdog ends what Ray's own cleanup would leave for minutes. (SIGTERM:
+    tests/arctic/test_arctic_train.py and, through `ray job stop`, tests/test_cluster.py.)
     """
     calls = tmp_path / "calls.txt"
     backend = ["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2"]
@@ -222,14 +223,28 @@ def test_ctrl_c_and_sigkill_stop_the_run_and_each_time_it_resumes_from_the_last_
     assert time.monotonic() - killed_at < BOUND_S + 2
     saved = _checkpoint_checksum(tmp_path / "ckpt" / "global_step_4" / "actor")
 
+    # This run's sampler fails from step 7 on (each step sends 64 requests; the first 128 succeed). verl's agent
+    # loop logs a failed request and goes on; the run stops instead, in the backend's words.
     calls.unlink()
-    resumed = train(tmp_path, *backend, "trainer.total_training_steps=6")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    failing = ["remote_backend.fail_in=generate", "remote_backend.fail_after_calls=128"]
+    resumed = train(tmp_path, *backend, *failing, "trainer.total_training_steps=8")
+    assert resumed.returncode == 1, resumed.stderr[-3000:]
+    failed = re.fullmatch(
+        r"verl-remote train: the run failed: RolloutError: sampling failed at step (\d+): "
+        r"InjectedFailure: faulty backend: injected failure in generate \(and \d+ more failed requests\)",
+        last_line(resumed.stderr),
+    )
+    assert failed is not None and failed.group(1) == "7", last_line(resumed.stderr)
     assert steps(resumed.stdout) == [5, 6]
     assert f"(weights sha256 {saved})" in resumed.stdout
+    assert "replay buffer" not in resumed.stdout + resumed.stderr
+    # Each request's failure is logged by verl's agent loop: the console shows it once and counts the rest.
+    assert (resumed.stdout + resumed.stderr).count("injected failure in generate") == 2, resumed.stderr[-3000:]
+    assert re.search(r"verl-remote: \d+ more error lines like the ones above are in .*/logs/train-", resumed.stderr)
     assert faulty_calls(calls) == [
         "load_checkpoint 4", "update_weights", "update_weights", "save_checkpoint 6", "update_weights", "destroy",
     ]  # fmt: skip
+    assert left_behind(tmp_path) == {}
 
 
 @pytest.mark.faults

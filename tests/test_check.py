@@ -8,6 +8,7 @@ tests call it, on one Ray instance in this process.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -85,13 +86,22 @@ def test_the_example_backend_passes_every_check_from_its_own_test_file(ray_clust
     assert live_actors() == []
 
 
-def test_a_backend_without_verl_remotes_bases_fails_the_contract_check(ray_cluster: Any) -> None:
-    """The echo test backend is a lifecycle stub: its worker is not a forwarder, so it cannot train."""
-    out = _checked("echo")
+def test_a_backend_without_verl_remotes_bases_fails_the_contract_check_and_the_command_exits_1(
+    ray_cluster: Any, cli_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The echo test backend is a lifecycle stub: its worker is not a forwarder, so it cannot train.
+
+    The command runs in this process, on the module's Ray instance; its watchdog, which ends every process this
+    one started when it exits, is left out here (it would end the module's Ray too)."""
+    monkeypatch.setattr("verl_remote.watchdog.start_watchdog", lambda: os.open(os.devnull, os.O_RDONLY))
+    code, out, _err = cli_main("check", "echo")
+    assert code == 1, out
+    assert live_actors() == []
     marks = _marks(out)
     assert marks["spec"] == "ok" and marks["contract"] == "FAIL"
     assert "EchoWorker'> is not a subclass of verl_remote.worker.RemoteForwarderWorker" in out
     assert marks["destroy"] == "skip"  # no backend was made
+    assert out.splitlines()[-1] == f"check echo: 1 passed, 1 failed, {len(CHECK_NAMES) - 2} not run"
 
 
 def test_a_backend_that_scores_padding_at_the_last_position_passes_every_check(ray_cluster: Any) -> None:

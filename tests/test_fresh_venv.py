@@ -107,13 +107,18 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
         bin_dir / "verl-remote", "config", "remote_backend=echo", "remote_backend.state_dir=/x"
     )
     assert code == 0, stderr
-    assert yaml.safe_load(stdout)["remote_backend"] == {"name": "echo", "state_dir": "/x"}
+    ours = yaml.safe_load(stdout)
+    assert ours["remote_backend"] == {"name": "echo", "state_dir": "/x"}
 
+    # verl's launcher, bare: the group and its keys compose into verl's own config as into verl-remote's.
     code, stdout, stderr = in_venv(
-        bin_dir / "python", "-m", "verl.trainer.main_ppo", "+remote_backend=echo", "--cfg", "job"
-    )
+        bin_dir / "python", "-m", "verl.trainer.main_ppo", "+remote_backend=echo", "remote_backend.state_dir=/x",
+        "--cfg", "job",
+    )  # fmt: skip
     assert code == 0, stderr[-3000:]
-    assert yaml.safe_load(stdout)["remote_backend"]["name"] == "echo"
+    theirs = yaml.safe_load(stdout)
+    assert theirs["remote_backend"] == ours["remote_backend"]
+    assert theirs["trainer"]["use_v1"] == ours["trainer"]["use_v1"]
 
     # verl's own launcher (python -m verl.trainer.main_ppo +remote_backend=NAME $(verl-remote config --overrides
     # ...)) trains with the example backend (examples/bigram-backend) from its wheel. The launcher's destroy and

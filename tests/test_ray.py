@@ -13,6 +13,7 @@ import pytest
 import ray.cloudpickle
 from omegaconf import OmegaConf
 
+from conftest import faulty_calls, live_actors
 from verl_remote import load_backend_class
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -124,3 +125,26 @@ def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(ray_c
 
     assert resources(OmegaConf.create({"num_cpus": 2})) == {"num_cpus": 2.0, "num_gpus": 0.0}
     assert resources({}) == {"num_cpus": 1.0, "num_gpus": 0.0}
+
+
+@pytest.mark.train  # the local engine loads the demo's model in a Ray worker
+def test_under_verls_launcher_the_trainer_refuses_two_forwarders_for_a_single_forwarder_backend(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """`verl-remote train` refuses this layout before Ray starts (tests/test_train.py); verl's own launcher has no
+    such check, so the trainer refuses it before the first step, and destroys the backend it made."""
+    from verl_remote.compose import compose_config
+    from verl_remote.train import resolve_demo_assets
+    from verl_remote.trainer import RemotePPOTrainer, SingleForwarderError
+
+    calls = tmp_path / "calls.txt"
+    config = compose_config(["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.n_gpus_per_node=2"])
+    resolve_demo_assets(config)
+    with pytest.raises(
+        SingleForwarderError,
+        match=r"^backend 'faulty' needs exactly one forwarder worker, but trainer.n_gpus_per_node \* trainer.nnodes "
+        r"= 2: set trainer.n_gpus_per_node=1 trainer.nnodes=1$",
+    ):
+        RemotePPOTrainer(config)
+    assert faulty_calls(calls) == ["destroy"]
+    assert live_actors() == []

@@ -44,17 +44,20 @@ def test_register_is_idempotent() -> None:
     assert verl_plugin.is_registered()
 
 
-def test_verl_loads_nothing_when_plugins_are_disabled_and_doctor_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    from verl_remote.doctor import check_plugin
-
+def test_verl_loads_nothing_when_plugins_are_disabled_and_doctor_says_why(
+    monkeypatch: pytest.MonkeyPatch, cli_main: Any
+) -> None:
     env = {"VERL_USE_EXTERNAL_PLUGINS": "none"}
     out = python("import sys, verl; print('verl_remote.verl_plugin' in sys.modules)", env=env)
     assert out.stdout.strip().splitlines()[-1] == "False"
-    # doctor's check reads the same variable verl reads (its line, as the command prints it: tests/test_cli.py)
+    # `verl-remote doctor` reads the same variable verl reads, and says what it does.
     monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")
-    disabled = check_plugin()
-    assert not disabled.ok
-    assert disabled.detail.startswith("VERL_USE_EXTERNAL_PLUGINS='none' stops verl")
+    code, stdout, _err = cli_main("doctor", "--no-ray")
+    assert code == 1
+    assert "[FAIL] verl loads the verl-remote plugin: VERL_USE_EXTERNAL_PLUGINS='none' stops verl" in stdout
+    # An allowlist naming the plugin passes the same check (doctor's line for it: tests/test_cli.py).
+    from verl_remote.doctor import check_plugin
+
     monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "verl_remote")
     allowlisted = check_plugin()
     assert allowlisted.ok, allowlisted.detail

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import live_actors
+from conftest import arctic_jobs, live_actors
 
 pytestmark = pytest.mark.train
 
@@ -31,4 +31,5 @@ def test_verl_arctic_passes_the_conformance_checks_that_its_protocol_allows(
         assert failed == ["checkpoint"], lines
         assert "has no load-checkpoint call, so a run cannot resume on it" in lines
     assert live_actors() == []
+    assert arctic_jobs(url) == {}  # every job the checks made is destroyed on the server
     assert list(tmp_path.iterdir()) == []

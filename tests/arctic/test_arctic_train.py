@@ -192,6 +192,7 @@ def test_sigterm_sigkill_and_a_killed_server_stop_the_run_and_each_time_it_resum
         assert steps(cleaned) == [5, 6]
         for kind, job in left["jobs"].items():
             assert f"destroyed {kind} job {job} on {url}, left by a run that did not end cleanly" in cleaned
+        assert not set(arctic_jobs(url)) & {str(job) for job in left["jobs"].values()}  # gone from the service
         server = subprocess.run(
             ["pgrep", "-f", f"verl_arctic.testing.server --port {port}"], capture_output=True, text=True
         )

@@ -102,6 +102,15 @@ def test_cli_runs_until_sigint_and_leaves_nothing(tmp_path: Path) -> None:
         )
         url = ready.split(" ready at ", 1)[1].split()[0]
         assert f"remote_backend.base_url={url}" in ready
+        model = ready.split("(model ", 1)[1].split(")", 1)[0]
+        # Ready means the engine has the model loaded: a LoRA training client is made at once.
+        import tinker
+
+        service = tinker.ServiceClient(base_url=url, api_key="tml-local")
+        started = time.monotonic()
+        service.create_lora_training_client(base_model=model, rank=8, seed=0)
+        assert time.monotonic() - started < 60
+        service.holder.close()  # the SDK's session heartbeat, which would outlive the server
         port = int(url.rsplit(":", 1)[1])
         assert listening("127.0.0.1", port)
         server_sessions.update(os.getsid(p.pid) for p in psutil.Process(process.pid).children(recursive=True))

@@ -374,13 +374,14 @@ def dead_url() -> str:
 
 
 @contextlib.contextmanager
-def serving_test_server(generation: str, **flags: Any) -> Iterator[str]:
-    """The Arctic test server (``create_app(generation, **flags)``) in this process; its URL, stopped on exit."""
+def serving_test_server(generation: str, port: int | None = None, **flags: Any) -> Iterator[str]:
+    """The Arctic test server (``create_app(generation, **flags)``) in this process; its URL, stopped on exit. A new
+    one on the port of one stopped before is that server restarted."""
     import uvicorn
 
     from verl_arctic.testing.server import create_app
 
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(generation, **flags), host="127.0.0.1", port=port, log_level="critical")
     )

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -304,9 +305,59 @@ def refusal_hint(job_type: str, body: dict[str, Any], generation: str) -> str:
 #: In the run's checkpoint folder while the run's jobs exist (see ArcticBackend.write_record).
 JOBS_FILE = "arctic_jobs.json"
 
+#: The training job's ``checkpoint_path`` is ``<checkpoint folder>/<RUN_DIR_PREFIX><run id>``: a folder no other
+#: run sends, so that a recorded job can be told from another run's job with the same id (see :func:`_proven`).
+RUN_DIR_PREFIX = "arctic-run-"
+
+
+def _answer(client: ArcticClient, job_id: int) -> dict[str, Any] | None:
+    """The server's ``/job`` answer, or None when it holds no such job."""
+    try:
+        return client.job(job_id)
+    except ArcticError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def _proven(left: dict[str, Any], jobs: dict[str, int], answers: dict[str, dict[str, Any] | None]) -> str | None:
+    """None when the recorded jobs the server still holds are the dead run's own; otherwise why they may not be.
+
+    Arctic hands out job ids from 1 again after a restart, so a recorded id alone proves nothing. What Arctic
+    echoes of a job (both generations: ``job_info`` at the end of ``/initialize``) is its type, its model and, for
+    the training job only, ``<the checkpoint_path sent>/arctic_rl_job_<id>``; the path sent is unique to the run
+    (``RUN_DIR_PREFIX``). So the training job proves itself, and the others are proven by it: ids are never
+    reused within one server process, the record names one server, and a run creates its training job last, so
+    a sampling or log-prob job recorded with a smaller id on the server that holds the proven training job is
+    the same run's.
+    """
+    sent = left.get("checkpoint_path")
+    training = jobs.get("training")
+    if not sent or training is None:
+        return "the record is from a run that did not record what proves its jobs"
+    info = answers.get("training")
+    if info is None:
+        return f"its training job {training} is gone, so nothing proves the others are the run's own"
+    expected = os.path.join(str(sent), f"arctic_rl_job_{training}")
+    if info.get("job_type") != "training" or str(info.get("checkpoint_path")) != expected:
+        return (
+            f"job {training} on the server is not the recorded run's (its checkpoint_path is "
+            f"{info.get('checkpoint_path')!r}, the recorded run's is {expected!r}): the server restarted and another "
+            "run holds that id"
+        )
+    for kind, job in jobs.items():
+        answer = answers.get(kind)
+        if kind == "training" or answer is None:
+            continue
+        if job >= training or answer.get("job_type") != kind or answer.get("model_name") != left.get("model_name"):
+            found = f"{answer.get('job_type')}, {answer.get('model_name')}"
+            return f"{kind} job {job} on the server does not match the record ({found})"
+    return None
+
 
 def clean_up_after_a_dead_run(client: ArcticClient, record: str) -> None:
-    """Destroy the jobs a run that ended without destroying them left on this server.
+    """Destroy the jobs a run that ended without destroying them left on this server, when the server shows
+    they are that run's own (:func:`_proven`); leave them otherwise, saying so in one line each.
 
     ``verl-remote train`` holds the checkpoint folder for its run, so a record there belongs to a run that is
     gone. Jobs on another server are not touched: the message says how to remove them.
@@ -322,13 +373,18 @@ def clean_up_after_a_dead_run(client: ArcticClient, record: str) -> None:
             f"{client.url}; destroy them there (POST {left.get('url')}/destroy?job_id=<id> with "
             '{"job_type": "<type>"}) and delete that file, or use another trainer.default_local_dir'
         )
+    answers = {kind: _answer(client, job) for kind, job in jobs.items()}
+    doubt = _proven(left, jobs, answers)
     for kind, job in jobs.items():
-        try:
-            client.job(job)
-        except ArcticError as exc:
-            if exc.status == 404:
-                continue  # gone already (the server restarted, or someone removed it)
-            raise
+        if answers[kind] is None:
+            continue  # gone already (the server restarted, or someone removed it)
+        if doubt is not None:
+            log.warning(
+                "verl-arctic: left %s job %d on %s alone although %s records it: %s; if it is that dead run's, "
+                "destroy it with POST %s/destroy?job_id=%d and the body {\"job_type\": \"%s\"}",
+                kind, job, client.url, record, doubt, client.url, job, kind,
+            )  # fmt: skip
+            continue
         client.destroy(job, kind)
         log.warning(
             "verl-arctic: destroyed %s job %d on %s, left by a run that did not end cleanly", kind, job, client.url
@@ -461,15 +517,25 @@ class ArcticBackend(RemoteBackend):
         self.settings = settings
         self.server = server  # the service process this backend launched, if it launched one
         self.record: str | None = None  # where the driver keeps the ids of the jobs it created
+        self.checkpoint_path: str | None = None  # the training job's, as sent: unique to this run
+        self.model_name: str | None = None
         self._destroyed = False
 
     def write_record(self) -> None:
         """The jobs this run created, kept in its checkpoint folder until they are destroyed, so that a run
-        killed before it could destroy them (SIGKILL, a lost node) is cleaned up by the next one there."""
+        killed before it could destroy them (SIGKILL, a lost node) is cleaned up by the next one there; with
+        what proves they are this run's (the training job's checkpoint path and the model sent)."""
         if self.record is None:
             return
         os.makedirs(os.path.dirname(self.record), exist_ok=True)
-        body = {"url": self.client.url, "generation": self.client.generation, "jobs": self.jobs, "pid": os.getpid()}
+        body = {
+            "url": self.client.url,
+            "generation": self.client.generation,
+            "jobs": self.jobs,
+            "checkpoint_path": self.checkpoint_path,
+            "model_name": self.model_name,
+            "pid": os.getpid(),
+        }
         with open(f"{self.record}.tmp", "w") as fp:
             json.dump(body, fp)
         os.replace(f"{self.record}.tmp", self.record)
@@ -496,12 +562,23 @@ class ArcticBackend(RemoteBackend):
             check_objective(as_dict(main_config.actor_rollout_ref.actor))
             clean_up_after_a_dead_run(client, backend.record)
             check_server_size(client, settings)
-            for job_type, body in job_configs(main_config, client.generation).items():
+            bodies = job_configs(main_config, client.generation)
+            training = bodies["training"]
+            training["checkpoint_path"] = os.path.join(training["checkpoint_path"], RUN_DIR_PREFIX + uuid.uuid4().hex)
+            backend.checkpoint_path = training["checkpoint_path"]
+            backend.model_name = str(training["model_name"])
+            for job_type, body in bodies.items():
                 if job_type == "sampling" and int(settings.get("sampling_gpus", 1)) <= 0:
                     continue
                 try:
                     job_id = client.initialize(body)
                 except ArcticError as exc:
+                    if exc.status == 409:
+                        raise ArcticError(
+                            f"{exc}. The server holds another run's {job_type} job (Arctic runs one of each per "
+                            "server): wait until that run ends, or set remote_backend.comms.url to another server",
+                            status=409,
+                        ) from exc
                     if exc.status != 500:
                         raise
                     hint = refusal_hint(job_type, body, client.generation)

@@ -9,6 +9,8 @@ parallelism, learning-rate warmup, weight syncs, checkpoints.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import torch
 from conversation import forward_payload, training_config, update_payload
 
-from conftest import free_port, serving_test_server
+from conftest import arctic_jobs, free_port, serving_test_server
 from verl_arctic import wire
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation
 from verl_arctic.testing.engine import DeepSpeedRefusal, deepspeed_setup
@@ -323,3 +325,60 @@ def test_a_success_whose_body_is_not_arctics_names_the_call_and_what_came(tmp_pa
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("generation", ["v0.1", "main"])
+def test_a_resume_destroys_only_the_jobs_the_server_shows_are_its_dead_runs(
+    generation: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Arctic numbers its jobs from 1 again after a restart, so a dead run's record may name another run's live
+    jobs: the resume leaves them, says so, and cannot start beside them (one training job per server); the other
+    run goes on. Without a restart, the record's jobs are the dead run's, and the resume destroys them."""
+    from verl_arctic.backend import JOBS_FILE, ArcticBackend
+    from verl_remote.compose import compose_config
+    from verl_remote.train import resolve_demo_assets
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def backend(folder: Path) -> ArcticBackend:
+        config = compose_config([
+            "remote_backend=arctic", f"remote_backend.comms.url={url}", f"remote_backend.comms.api={generation}",
+            f"trainer.default_local_dir={folder}",
+        ])  # fmt: skip
+        resolve_demo_assets(config)
+        return ArcticBackend.from_config(config)
+
+    def said(words: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if words in r.getMessage()]
+
+    dead, other = tmp_path / "dead", tmp_path / "other"
+    caplog.set_level(logging.WARNING, logger="verl_arctic.backend")
+    with serving_test_server(generation, port=port):
+        backend(dead).client.close()  # the run is killed: its jobs stay on the server, recorded in its folder
+    recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]
+    with serving_test_server(generation, port=port):  # the server restarted, empty
+        running = backend(other)
+        assert running.jobs == recorded  # the same ids, another run's jobs
+        held = arctic_jobs(url)
+        with pytest.raises(ArcticError, match="HTTP 409: .*The server holds another run's (sampling|training) job"):
+            backend(dead)
+        assert arctic_jobs(url) == held  # untouched
+        for kind, job in recorded.items():
+            (line,) = said(f"left {kind} job {job} on {url} alone")
+            assert "the server restarted and another run holds that id" in line
+            assert f"POST {url}/destroy?job_id={job}" in line
+        assert said("destroyed") == []
+        assert not (dead / JOBS_FILE).exists()  # said once; the next run there does not say it again
+        asyncio.run(running.destroy())  # the other run ends as it would have
+        assert arctic_jobs(url) == {}
+
+        backend(dead).client.close()  # killed again, and resumed on the same server
+        recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]
+        resumed = backend(dead)
+        for kind, job in recorded.items():
+            assert said(f"destroyed {kind} job {job} on {url}, left by a run that did not end cleanly")
+        assert set(arctic_jobs(url)) == {str(job) for job in resumed.jobs.values()}
+        asyncio.run(resumed.destroy())
+        assert arctic_jobs(url) == {} and not (dead / JOBS_FILE).exists()

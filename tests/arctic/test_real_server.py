@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conversation import TRAINING_RANKS, Observation, converse
 from real.vendor import real_arctic_server
 
-from conftest import arctic_jobs, free_port, metric, serving_test_server, steps, train
+from conftest import arctic_jobs, finish, free_port, metric, read_until, serving_test_server, start, steps
 from verl_remote.demo.assets import ensure_demo_assets
 
 pytestmark = pytest.mark.arctic_real
@@ -52,15 +54,17 @@ def _model() -> str:
 
 
 class Arctic:
-    """Arctic's own server of one generation on a port of its own, with its log; :meth:`restart` replaces it."""
+    """Arctic's own server of one generation on a port of its own, with its log; :meth:`restart` replaces it (on
+    the same port: to a client, the same server restarted)."""
 
     def __init__(self, generation: str, log: Path) -> None:
         self.generation, self.log = generation, log
         self._stack = contextlib.ExitStack()
+        self.port = free_port()
         self.url = ""
 
     def start(self) -> None:
-        server = real_arctic_server(self.generation, free_port(), training_gpus=TRAINING_RANKS, log=self.log)
+        server = real_arctic_server(self.generation, self.port, training_gpus=TRAINING_RANKS, log=self.log)
         self.url = self._stack.enter_context(server)
 
     def restart(self) -> None:
@@ -109,19 +113,62 @@ def test_our_test_server_answers_every_route_as_arctics_own_server(arctic: Arcti
         arctic.restart()
 
 
+def _backend(folder: Path, *overrides: str) -> Any:
+    """verl-arctic's backend as a run's driver makes it: the jobs created, recorded in ``folder``."""
+    from verl_arctic.backend import ArcticBackend
+    from verl_remote.compose import compose_config
+    from verl_remote.train import resolve_demo_assets
+
+    config = compose_config([*overrides, f"trainer.default_local_dir={folder}"])
+    resolve_demo_assets(config)
+    return ArcticBackend.from_config(config)
+
+
 @pytest.mark.train
-def test_verl_remote_trains_against_arctics_own_server(arctic: Arctic, tmp_path: Path) -> None:
-    """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client."""
-    out = train(
-        tmp_path,
+@pytest.mark.faults
+def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_leaves_its_jobs(
+    arctic: Arctic, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client.
+
+    Before it, a run was killed and Arctic restarted: that run's record names the ids Arctic hands this run. The
+    dead run's folder is resumed while this one trains: its resume leaves this run's jobs alone (it says so, and
+    cannot start beside them), and this run goes on to its end.
+    """
+    from verl_arctic.backend import JOBS_FILE
+    from verl_arctic.client import ArcticError
+
+    settings = [
         "remote_backend=arctic",
         f"remote_backend.comms.url={arctic.url}",
         f"remote_backend.training_gpus={TRAINING_RANKS}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "trainer.total_training_steps=2",
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert steps(out.stdout)[-2:] == [1, 2]
-    diffs = metric(out.stdout, "training/rollout_probs_diff_max")
+    ]
+    dead = tmp_path / "dead"
+    _backend(dead, *settings).client.close()  # killed: its jobs stay on the server, recorded in its folder
+    recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]
+    arctic.restart()
+
+    proc = start(tmp_path, *settings, "trainer.total_training_steps=2")
+    seen = ""
+    try:
+        seen = "".join(read_until(proc, "step:1 "))
+        held = arctic_jobs(arctic.url)
+        assert set(held) == {str(job) for job in recorded.values()}  # the dead run's ids are this run's jobs now
+        caplog.set_level(logging.WARNING, logger="verl_arctic.backend")
+        with pytest.raises(ArcticError, match="HTTP 409: .*The server holds another run's sampling job"):
+            _backend(dead, *settings)
+        assert arctic_jobs(arctic.url) == held
+        for kind, job in recorded.items():
+            assert any(
+                f"left {kind} job {job} on {arctic.url} alone" in r.getMessage()
+                and "the server restarted and another run holds that id" in r.getMessage()
+                for r in caplog.records
+            ), caplog.text[-3000:]
+    finally:
+        out = seen + finish(proc)
+    assert proc.returncode == 0, out[-5000:]
+    assert steps(out)[-2:] == [1, 2]
+    diffs = metric(out, "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step
     assert arctic_jobs(arctic.url) == {}

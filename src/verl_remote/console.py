@@ -85,7 +85,8 @@ class _Stream(io.TextIOBase):
         return self._original.fileno()
 
     def isatty(self) -> bool:
-        return self._original.isatty()
+        # Asked at interpreter exit too (Ray's colorama keeps the stream it saw), maybe after the original closed.
+        return not self._original.closed and self._original.isatty()
 
     def writable(self) -> bool:
         return True

@@ -145,6 +145,7 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     ]
     dead = tmp_path / "dead"
+    arctic.restart()  # a server that numbers its jobs from 1, as after every restart
     _backend(dead, *settings).client.close()  # killed: its jobs stay on the server, recorded in its folder
     recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]
     arctic.restart()

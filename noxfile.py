@@ -67,7 +67,9 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """The plugin's import cost, and verl-remote's per-step overhead beside the backend's compute."""
+    """The plugin's import cost, verl-remote's per-step overhead beside the backend's compute, and how fast bad
+    input is refused."""
     session.install("-c", CONSTRAINTS, ".")
     session.run("python", "benchmarks/plugin_import.py")
     session.run("python", "benchmarks/step_overhead.py")
+    session.run("python", "benchmarks/refusal.py")

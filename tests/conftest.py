@@ -75,6 +75,10 @@ LONGEST_FIRST = (
     "tests/test_cluster.py",
     "tests/test_fresh_venv.py",
     "tests/test_check.py",
+    # Then the longest of the quick tier (-m "not (slow or train or arctic_real or tinker)"), for the same reason.
+    "tests/test_cli.py",
+    "tests/test_verl_plugin.py",
+    "tests/test_preflight.py",
 )
 
 

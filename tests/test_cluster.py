@@ -146,11 +146,12 @@ def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_
     assert "joining a running Ray cluster" in logs
     assert "verl-remote: the 2 nodes with CPUs see the run's data, model and folder" in logs
     assert "verl-remote: terminated (SIGTERM); destroying the backend" in logs
-    # Step 3 holds in its weight sync (hold_after_save_s) when the stop lands: the backend is destroyed once,
-    # nothing is saved after step 2.
-    assert faulty_calls(calls) == [
-        "update_weights", "update_weights", "save_checkpoint 2", "update_weights", "destroy",
-    ]  # fmt: skip
+    # Step 3 holds in its weight sync (hold_after_save_s) when the stop lands (on a busy machine, a later sync):
+    # the backend is destroyed once, at the end; nothing is saved after step 2.
+    made = faulty_calls(calls)
+    assert made[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"], made
+    assert made[-1] == "destroy" and made.count("destroy") == 1, made
+    assert [call for call in made if call.startswith("save_checkpoint")] == ["save_checkpoint 2"], made
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("global_step_*")) == ["global_step_2"]
 
     head = cluster.head_node_id()

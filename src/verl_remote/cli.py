@@ -315,5 +315,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def console_main() -> None:
+    """The ``verl-remote`` console script: :func:`main`, then its exit code.
+
+    Input refused before Ray started leaves nothing to clean up, so the process ends as soon as its message is
+    out, without the interpreter's teardown of the modules a refusal imports (verl, torch; about a second on
+    2 cores: benchmarks/refusal.py). Everything else exits the ordinary way, with Ray's and Python's exit hooks.
+    """
+    code = main()
+    ray = sys.modules.get("ray")
+    if code == EXIT_USAGE and (ray is None or not ray.is_initialized()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -306,7 +306,8 @@ def refusal_hint(job_type: str, body: dict[str, Any], generation: str) -> str:
 JOBS_FILE = "arctic_jobs.json"
 
 #: The training job's ``checkpoint_path`` is ``<checkpoint folder>/<RUN_DIR_PREFIX><run id>``: a folder no other
-#: run sends, so that a recorded job can be told from another run's job with the same id (see :func:`_proven`).
+#: run sends, so that a recorded job can be told from another run's job with the same id
+#: (see :func:`_why_not_proven`).
 RUN_DIR_PREFIX = "arctic-run-"
 
 
@@ -320,7 +321,9 @@ def _answer(client: ArcticClient, job_id: int) -> dict[str, Any] | None:
         raise
 
 
-def _proven(left: dict[str, Any], jobs: dict[str, int], answers: dict[str, dict[str, Any] | None]) -> str | None:
+def _why_not_proven(
+    left: dict[str, Any], jobs: dict[str, int], answers: dict[str, dict[str, Any] | None]
+) -> str | None:
     """None when the recorded jobs the server still holds are the dead run's own; otherwise why they may not be.
 
     Arctic hands out job ids from 1 again after a restart, so a recorded id alone proves nothing. What Arctic
@@ -357,7 +360,7 @@ def _proven(left: dict[str, Any], jobs: dict[str, int], answers: dict[str, dict[
 
 def clean_up_after_a_dead_run(client: ArcticClient, record: str) -> None:
     """Destroy the jobs a run that ended without destroying them left on this server, when the server shows
-    they are that run's own (:func:`_proven`); leave them otherwise, saying so in one line each.
+    they are that run's own (:func:`_why_not_proven`); leave them otherwise, saying so in one line each.
 
     ``verl-remote train`` holds the checkpoint folder for its run, so a record there belongs to a run that is
     gone. Jobs on another server are not touched: the message says how to remove them.
@@ -374,7 +377,7 @@ def clean_up_after_a_dead_run(client: ArcticClient, record: str) -> None:
             '{"job_type": "<type>"}) and delete that file, or use another trainer.default_local_dir'
         )
     answers = {kind: _answer(client, job) for kind, job in jobs.items()}
-    doubt = _proven(left, jobs, answers)
+    doubt = _why_not_proven(left, jobs, answers)
     for kind, job in jobs.items():
         if answers[kind] is None:
             continue  # gone already (the server restarted, or someone removed it)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import free_port, last_line
+from conftest import free_port, last_line, python
 from verl_remote.compose import compose_config
 from verl_remote.preflight import (
     RANGES,
@@ -160,6 +160,23 @@ def test_a_refused_run_makes_nothing(tmp_path: Path, cli_main: Any, monkeypatch:
         assert code == 2, err[-2000:]
         assert "preparing the demo" not in out + err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_type_or_range_refusal_and_the_composed_config_import_neither_verl_nor_torch() -> None:
+    """They only compose and check: `import verl` imports torch, seconds a refusal must not wait for
+    (benchmarks/refusal.py measures the whole refusal)."""
+    code = (
+        "import sys\n"
+        "from verl_remote import cli\n"
+        "assert cli.main(['train', 'actor_rollout_ref.rollout.n=0']) == 2\n"
+        "assert cli.main(['train', 'trainer.total_training_steps=abc', 'remote_backend=echo']) == 2\n"
+        "assert cli.main(['config', 'remote_backend=arctic']) == 0\n"
+        "print(sorted(m for m in ('verl', 'torch', 'ray') if m in sys.modules))\n"
+    )
+    out = python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "out of range; expected an integer >= 1" in out.stderr
 
 
 class _Answer(http.server.BaseHTTPRequestHandler):

@@ -22,12 +22,35 @@ __all__ = ["CONFIG_MODULE", "CONFIG_NAME", "ConfigError", "compose_config", "sel
 
 CONFIG_MODULE = "verl_remote.config"
 CONFIG_NAME = "verl_remote"
-# Searched after the primary config's own folder: verl-remote's primary config
-# (for recipes), then verl's trainer configs it extends. Hydra accepts a search
-# path only from the primary config or the command line, and a recipe includes
-# verl_remote.yaml, so it is given here as an override. Backends' groups come
-# from the Hydra search path plugin.
-_SEARCH_PATH = [f"pkg://{CONFIG_MODULE}", "pkg://verl.trainer.config"]
+
+
+def verl_config_dir() -> str:
+    """The folder of verl's trainer configs (``verl/trainer/config``), found without importing verl.
+
+    Hydra's ``pkg://verl.trainer.config`` imports the package, and verl's ``__init__`` imports torch: about 4 s
+    of a command that only composes a config (a refusal of bad input among them).
+    """
+    import importlib.util
+
+    from verl_remote.compat import UnsupportedVerlError, require_supported_verl
+
+    require_supported_verl()  # a missing or unsupported verl is named as such
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise UnsupportedVerlError("verl is installed but cannot be found: pip install --force-reinstall verl")
+    for root in spec.submodule_search_locations:
+        folder = Path(root) / "trainer" / "config"
+        if (folder / "ppo_trainer.yaml").is_file():
+            return str(folder)
+    raise UnsupportedVerlError(f"verl's trainer configs (trainer/config/ppo_trainer.yaml) are missing: {spec.origin}")
+
+
+def _search_path() -> list[str]:
+    """Searched after the primary config's own folder: verl-remote's primary config (for recipes), then verl's
+    trainer configs it extends. Hydra accepts a search path only from the primary config or the command line,
+    and a recipe includes verl_remote.yaml, so it is given as an override. Backends' groups come from the Hydra
+    search path plugin."""
+    return [f"pkg://{CONFIG_MODULE}", f"file://{verl_config_dir()}"]
 
 
 class ConfigError(ValueError):
@@ -99,7 +122,7 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
         _check_yaml(path)
         context = initialize_config_dir(config_dir=str(path.parent), version_base=None)
         config_name = path.stem
-    overrides = [f"hydra.searchpath=[{','.join(_SEARCH_PATH)}]", *overrides]
+    overrides = [f"hydra.searchpath=[{','.join(_search_path())}]", *overrides]
 
     try:
         with context:
@@ -163,9 +186,9 @@ def verl_overrides(config: DictConfig, group_defaults: DictConfig | None) -> lis
     With ``+remote_backend=<name>`` in front, they make ``python -m verl.trainer.main_ppo`` compose ``config``:
     ``remote_backend`` keys appear only where they differ from the group file's (``group_defaults``).
     """
-    from hydra import compose, initialize_config_module
+    from hydra import compose, initialize_config_dir
 
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+    with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
         base = compose(config_name="ppo_trainer")
     mine = OmegaConf.to_container(config, resolve=False)
     theirs = OmegaConf.to_container(base, resolve=False)

@@ -58,6 +58,7 @@ def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one(
 def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_worker() -> None:
     out = cli("doctor")
     assert out.returncode == 1
+    assert "Token authentication" not in out.stdout + out.stderr  # Ray's notice is not one of the checks
     lines = out.stdout.splitlines()
     expected_ok = [
         "[ok  ] verl version is supported: verl 0.9.",

@@ -125,6 +125,9 @@ def check_ray_worker(num_cpus: int = 1) -> list[Check]:
         import ray
     except Exception as exc:
         return [Check("Ray worker", False, f"import ray failed: {type(exc).__name__}: {exc}")]
+    from verl_remote.compat import quiet_local_ray_auth
+
+    quiet_local_ray_auth()
     try:
         ray.init(
             address="local",

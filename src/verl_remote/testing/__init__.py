@@ -34,8 +34,11 @@ def check_backend(
     """
     import ray
 
+    from verl_remote.compat import quiet_local_ray_auth
+
     started = not ray.is_initialized()
     if started:
+        quiet_local_ray_auth()
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     conformance = Conformance(name, tuple(overrides), **({"atol": atol} if atol is not None else {}))
     try:

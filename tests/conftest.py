@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -178,14 +179,35 @@ def start(folder: Path, *overrides: str, output: bool = True) -> subprocess.Pope
     return subprocess.Popen(command, cwd=folder, stdout=sink, stderr=subprocess.STDOUT, text=True)
 
 
+_STEP_ROW = re.compile(r"^step (\d+)(?:/\d+)?(?:  |$)", re.MULTILINE)  # verl-remote's console: step 3/40  reward ...
+
+
 def steps(stdout: str) -> list[int]:
-    """The training steps a run printed (verl's ``step:N`` lines), in order."""
+    """The steps a run printed, in order: the console's step rows (``step 3/40  reward ...``), or verl's own
+    ``step:N - ...`` metrics lines where a run has no verl-remote console (verl's launcher, ``--verbose``)."""
+    rows = [int(step) for step in _STEP_ROW.findall(stdout)]
+    if rows:
+        return rows
     return [int(part.split(":")[1]) for part in stdout.split() if part.startswith("step:") and part[5:].isdigit()]
 
 
-def metric(stdout: str, name: str) -> list[float]:
-    """Every value of verl's metric ``name`` a run printed, in step order."""
-    return [float(part.split(":", 1)[1]) for part in stdout.split() if part.startswith(f"{name}:")]
+def step_row(step: int) -> str:
+    """The start of the console's row for ``step`` of a run whose number of steps is known (read_until's marker)."""
+    return f"step {step}/"
+
+
+def run_log(ckpt: Path) -> str:
+    """The newest ``verl-remote train`` log of the checkpoint folder ``ckpt``: every line of the run, verl's whole
+    metrics line per step among them."""
+    logs = sorted((ckpt / "logs").glob("train-*.log"))
+    assert logs, f"no run log in {ckpt / 'logs'}"
+    return logs[-1].read_text()
+
+
+def metric(text: str, name: str) -> list[float]:
+    """Every value of verl's metric ``name`` in verl's metrics lines of ``text`` (a :func:`run_log`), in step
+    order."""
+    return [float(part.split(":", 1)[1]) for part in text.split() if part.startswith(f"{name}:")]
 
 
 def last_line(text: str) -> str:

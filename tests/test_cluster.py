@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, cli, faulty_calls, free_port, processes_in, run, script, steps
+from conftest import QUICK, cli, faulty_calls, free_port, processes_in, run, script, step_row, steps
 
 pytestmark = [pytest.mark.train, pytest.mark.cluster]
 
@@ -136,7 +136,7 @@ def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     deadline = time.monotonic() + 600
-    while "step:2 " not in cluster.cli("job", "logs", "stopped").stdout:
+    while step_row(2) not in cluster.cli("job", "logs", "stopped").stdout:
         assert time.monotonic() < deadline, cluster.cli("job", "logs", "stopped").stdout[-3000:]
         time.sleep(2)
     stopped = cluster.cli("job", "stop", "stopped")

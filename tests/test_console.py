@@ -11,10 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from verl_remote.console import Console, is_error, shown
+from verl_remote.console import Console, duration, is_error, shown, step_fields, step_line, step_metrics
 
 RAY = "\x1b[36m(RemoteTaskRunner pid=11066)\x1b[0m "
-STEP = "step:1 - global_seqlen/min:757.0 - actor/pg_loss:0.01 - critic/score/mean:0.125"
+# verl's metrics line of a demo step (95 fields in all; a few of each kind kept, numpy's reprs among them).
+STEP = (
+    "step:1 - global_seqlen/min:765.0 - actor/pg_loss:-0.09741254895925522 - actor/grad_norm:0.9156891703605652 - "
+    "critic/score/mean:0.103515625 - response_length/mean:6.953125 - num_turns/mean:np.float64(2.0) - "
+    "training/off_policy/trajectory_staleness/max:np.int64(0) - timing_s/step:34.30806676999998 - "
+    "perf/total_num_tokens:765 - perf/throughput:22.2979628997615"
+)
+#: What the console shows for it, the run's 4 steps known: the time left is the step's time, 3 times.
+ROW = "step 1/4  1:43 left  reward 0.104  len 7.0  loss -0.0974  grad 0.916  34.3 s/step  22 tok/s"
 
 NOISE = [
     "/site-packages/verl/workers/engine/__init__.py:32: UserWarning: torchtitan engine is not available: "
@@ -83,6 +91,7 @@ def test_the_console_shows_the_run_and_the_log_keeps_every_line(
     console, out, err = _console(monkeypatch)
     print("early noise from importing verl", file=sys.stderr)  # before the log file is known: kept in memory
     console.open_log(tmp_path / "logs" / "run.log")
+    console.total_steps = 4
     print("verl-remote: training")
     for line in NOISE:
         print(RAY + line, file=sys.stderr)
@@ -93,7 +102,7 @@ def test_the_console_shows_the_run_and_the_log_keeps_every_line(
     console.uninstall()
 
     assert sys.stdout is out and sys.stderr is err
-    assert out.getvalue().splitlines() == ["verl-remote: training", STEP]  # Ray's prefix dropped
+    assert out.getvalue().splitlines() == ["verl-remote: training", ROW]
     assert err.getvalue().splitlines() == [
         "(RemoteTaskRunner pid=11066) ERROR:2026-11-30 12:19:27,107:Error in _run_prompt for uid="
         "36c40768-fc9f-4463-81fd-d2d56f922134"
@@ -104,6 +113,10 @@ def test_the_console_shows_the_run_and_the_log_keeps_every_line(
     assert log[0].endswith(" early noise from importing verl")
     assert all("\x1b" not in line for line in log)
     assert any(line.endswith("(RemoteTaskRunner pid=11066) Using dataset class: RLHFDataset") for line in log)
+    # verl's whole metrics line, numpy's reprs as plain numbers.
+    assert [line.split(" ", 1)[1] for line in log if "step:1 " in line] == [
+        "(RemoteTaskRunner pid=11066) " + STEP.replace("np.float64(2.0)", "2.0").replace("np.int64(0)", "0")
+    ]
 
 
 def test_a_line_said_by_every_process_is_shown_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,21 +137,65 @@ def test_verbose_shows_everything(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert len((tmp_path / "run.log").read_text().splitlines()) == len(NOISE)
 
 
-def test_the_progress_bar_is_drawn_in_place_on_a_terminal_and_left_out_elsewhere(
+def test_on_a_terminal_the_bar_then_the_step_row_are_drawn_in_place_and_elsewhere_each_step_is_a_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    bar = "Training Progress:  50%|#####     | 1/2 [00:12<00:12, 12.60s/it]"
+    monkeypatch.setenv("COLUMNS", "120")
+    bar = "Training Progress:   0%|          | 0/4 [00:00<?, ?it/s]"
     console, out, err = _console(monkeypatch, tty=True)
-    print(RAY + bar, file=sys.stderr)
+    print(RAY + "\r" + bar, file=sys.stderr)  # the total comes from verl's bar when the config does not say
+    print(RAY + STEP)
+    print(RAY + STEP)  # the same line again (a cluster's second log monitor): shown once
+    print(RAY + "\rTraining Progress:  25%|##5       | 1/4 [00:34<01:43, 34.30s/it]", file=sys.stderr)
+    print("verl-remote: saved")  # a line of ours: printed above the row, which is drawn again below it
+    console.uninstall()
+    assert err.getvalue() == f"\r\x1b[K{bar}\n"  # the bar until the first step; the row's line ended on the way out
+    assert out.getvalue() == f"\r\x1b[K{ROW}\r\x1b[Kverl-remote: saved\n{ROW}"
+
+    monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal: the fields that do not fit are left out, not cut
+    console, out, _err = _console(monkeypatch, tty=True)
+    console.total_steps = 4
     print(RAY + STEP)
     console.uninstall()
-    assert err.getvalue() == f"\r\x1b[K{bar}\n"
-    assert out.getvalue() == f"\r\x1b[K{STEP}\n{bar}"  # the bar is cleared, the line printed, the bar redrawn
+    assert out.getvalue() == "\r\x1b[Kstep 1/4  1:43 left  reward 0.104  len 7.0  loss -0.0974"
 
     console, out, err = _console(monkeypatch, tty=False)
+    arrivals = iter([100.0, 130.0])  # step 2's line 30 s after step 1's
+    console.clock = lambda: next(arrivals)  # type: ignore[method-assign]
     print(RAY + bar, file=sys.stderr)
+    print(RAY + "step:0 - val-core/demo/reward/mean@1:0.125 - val-aux/demo/reward/std@1:0.2")  # before training
+    print(RAY + STEP)
+    print(RAY + STEP.replace("step:1 ", "step:2 "))
     console.uninstall()
     assert err.getvalue() == ""
+    assert out.getvalue().splitlines() == [
+        "step 0/4  val 0.125",
+        ROW,
+        ROW.replace("step 1/4", "step 2/4").replace("1:43", "1:00"),  # 2 steps left at the run's own pace
+    ]
+
+
+def test_once_the_run_is_stopping_only_our_lines_are_shown(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    console, out, err = _console(monkeypatch)
+    console.open_log(tmp_path / "run.log")
+    console.stopping()
+    print("\nverl-remote: interrupted; destroying the backend ...", file=sys.stderr)
+    print(
+        f"{RAY}ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.", file=sys.stderr
+    )
+    print(RAY + STEP)
+    console.uninstall()
+    assert out.getvalue() == ""
+    assert err.getvalue() == "verl-remote: interrupted; destroying the backend ...\n"
+    assert "ActorDiedError" in (tmp_path / "run.log").read_text()  # the log still has everything
+
+
+def test_a_step_line_reads_as_numbers() -> None:
+    step, metrics = step_metrics(RAY + STEP) or (None, {})
+    assert step == 1 and metrics["num_turns/mean"] == 2.0 and metrics["perf/total_num_tokens"] == 765.0
+    assert step_metrics("Using dataset class: RLHFDataset") is None
+    assert [duration(s) for s in (0.4, 42, 185, 7800)] == ["0:00", "0:42", "3:05", "2:10:00"]
+    assert step_line(step_fields(7, {"critic/score/mean": 0.5})) == "step 7  reward 0.500"
 
 
 def test_after_the_run_a_kept_reference_writes_through(monkeypatch: pytest.MonkeyPatch) -> None:

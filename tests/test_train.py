@@ -30,8 +30,10 @@ from conftest import (
     left_behind,
     metric,
     read_until,
+    run_log,
     script,
     start,
+    step_row,
     steps,
     train,
 )
@@ -110,7 +112,18 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
     demo = train_runs(*DEMO).ok()
     out = demo.out
     assert steps(out.stdout) == [1, 2, 3, 4]
-    assert "actor/pg_loss:" in out.stdout and "perf/mfu/actor:" in out.stdout
+    # The console: one row per step; the run's log: verl's whole metrics line, numbers as numbers.
+    rows = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [row.split("  ")[0] for row in rows] == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"], rows
+    shape = (
+        r"step \d/4  (\d+:\d\d left  )?reward \d\.\d{3}  len \d+\.\d  loss \S+  grad \S+  \d+\.\d s/step  \d+ tok/s$"
+    )
+    assert all(re.match(shape, row) for row in rows), rows
+    assert [" left  " in row for row in rows] == [True, True, True, False] and all(len(r) <= 100 for r in rows)
+    log = run_log(demo.ckpt)
+    assert len(metric(log, "actor/pg_loss")) == 4 and len(metric(log, "perf/mfu/actor")) == 4
+    assert len(metric(log, "training/off_policy/trajectory_staleness/mean")) == 4  # np.float64(0.0) in verl's line
+    assert not [line for line in log.splitlines() if " step:" in line and "np." in line]
     summary = out.stdout.strip().splitlines()[-1]
     assert summary.startswith("verl-remote: 4 steps (1-4); mean reward "), summary
     records = [json.loads(line) for line in (demo.folder / "verl_remote" / "demo.jsonl").read_text().splitlines()]
@@ -120,7 +133,7 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
 
     # The console: the step lines and a handful of ours; the full output of every process in the log file.
     console = (out.stdout + out.stderr).splitlines()
-    assert all(line.startswith(("verl-remote", "step:")) for line in console), console
+    assert all(line.startswith(("verl-remote", "step ")) for line in console), console
     # 3 of ours, 4 steps; this environment also has the test suite's broken backends installed, which
     # verl-remote names: 4 lines; the demo's assets may be made first: 1 line.
     assert len(console) <= 3 + 4 + 4 + 1, console
@@ -189,9 +202,12 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     slow = "remote_backend.hold_after_save_s=30"  # the steps after a save are slow: the signal lands in the run
 
     proc = start(tmp_path, *kl, *backend, slow, "trainer.total_training_steps=4")
-    code, output = _stop_at(proc, "step:2 ", signal.SIGINT)  # step 2 is logged after its checkpoint is written
+    code, output = _stop_at(proc, step_row(2), signal.SIGINT)  # step 2 is logged after its checkpoint is written
     assert code == 130, output[-3000:]
     assert "verl-remote: interrupted; destroying the backend" in output
+    # After the stop, only verl-remote's lines: what the stop ended (workers, actors) is in the log, not here.
+    after = output.split("verl-remote: interrupted; destroying the backend ...", 1)[1].strip().splitlines()
+    assert all(line.startswith("verl-remote") for line in after), after
     assert "logging.cc" not in output and "SIGABRT" not in output  # no native crash on the way out
     # Weights sync after init and after each step, the step-2 checkpoint before step 2's sync.
     made = faulty_calls(calls)
@@ -199,8 +215,9 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     assert made[-1] == "destroy" and made.count("destroy") == 1
     assert left_behind(tmp_path) == {}
     assert not (tmp_path / "ckpt" / "global_step_4").exists()
-    assert len(metric(output, "timing_s/ref")) == 2  # verl asked for reference log-probs each step
-    kl_loss = metric(output, "actor/kl_loss")
+    log = run_log(tmp_path / "ckpt")
+    assert len(metric(log, "timing_s/ref")) == 2  # verl asked for reference log-probs each step
+    kl_loss = metric(log, "actor/kl_loss")
     assert kl_loss[0] == 0.0 and kl_loss[1] > 0.0  # identical to the frozen initial model before the first update
 
     # SIGKILL in the middle of the step-6 save: the backend's part written, verl's not.

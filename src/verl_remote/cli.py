@@ -109,6 +109,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     folder = str(config.trainer.default_local_dir)
     with hold_run_folder(folder):  # another run there: exit 2
         console.open_log(Path(folder) / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log")
+        if config.trainer.total_training_steps is not None:  # verl's progress bar says it again
+            console.total_steps = int(config.trainer.total_training_steps)
         print(
             f"verl-remote: training with backend '{config.remote_backend.name}' for "
             f"{config.trainer.total_training_steps} steps (model {config.actor_rollout_ref.model.path})",
@@ -258,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run verl's PPO/GRPO trainer with the selected backend (remote_backend=<name>, default local). "
         "Takes every verl override. With no overrides it runs the demo: a tiny model, tokenizer and data set made "
         "locally on first use, GRPO, about 3 minutes on a laptop CPU. Ctrl-C stops the run and destroys the backend. "
-        "The console shows verl-remote's lines, verl's metrics line per step and errors; the full output of every "
-        "process goes to <trainer.default_local_dir>/logs/.",
+        "The console shows verl-remote's lines, a row per step (reward, length, loss, time left) and errors; every "
+        "metric and the full output of every process go to <trainer.default_local_dir>/logs/.",
     )
     _add_config_arguments(p)
     p.add_argument(

@@ -6,12 +6,17 @@ driver: Ray forwards each worker's stdout and stderr to the driver's ``sys.stdou
 line, with the worker's name in front. :class:`Console` replaces those two streams for the run and sorts each
 line:
 
-- to the console: lines of verl-remote and its backends (``verl-remote...:``, ``verl-<name>:``), verl's
-  per-step metrics line (``step:N - ...``), the progress bar (in place, on a terminal), and every line that
-  reports an error (a logging level of ERROR or CRITICAL, a native ``E``/``F`` log line, an exception's
-  ``SomeError: message`` line, a killed worker); an error line that repeats one already shown (numbers and ids
-  aside) is counted instead, so that a failure in every request is shown once;
-- everything, as it came (without colours), to the run's log file.
+- to the console: lines of verl-remote and its backends (``verl-remote...:``, ``verl-<name>:``), one short
+  row per training step read from verl's metrics line (:func:`step_fields`: the step of the total, the time
+  left, the reward, the response length, the loss, the gradient norm, the step time, the throughput), and
+  every line that reports an error (a logging level of ERROR or CRITICAL, a native ``E``/``F`` log line, an
+  exception's ``SomeError: message`` line, a killed worker); an error line that repeats one already shown
+  (numbers and ids aside) is counted instead, so that a failure in every request is shown once. On a terminal
+  the step line is redrawn in place (before the first step, verl's progress bar is); in a pipe or a file it is
+  one line per step. Once the run is stopping (:meth:`Console.stopping`: Ctrl-C, SIGTERM), only verl-remote's
+  own lines are shown: the workers the stop ends report their own deaths, which is no news;
+- everything, as it came (without colours; numpy's ``np.float64(0.5)`` as ``0.5``), to the run's log file,
+  verl's whole metrics line included.
 
 Native writes to the file descriptors (Ray's C++ core) are not Python writes and reach the console as they
 are. ``verbose`` shows every line on the console as well.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -30,7 +36,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-__all__ = ["VERBOSE_ENV", "Console", "is_error", "shown"]
+__all__ = [
+    "VERBOSE_ENV",
+    "Console",
+    "current_console",
+    "is_error",
+    "plain_numbers",
+    "run_console",
+    "shown",
+    "step_fields",
+    "step_line",
+    "step_metrics",
+]
 
 #: Set to 1 to print every line of a run on the console (as ``--verbose``).
 VERBOSE_ENV = "VERL_REMOTE_VERBOSE"
@@ -41,6 +58,8 @@ _RAY_PREFIX = re.compile(r"^\((?:[\w.]+ )?(?:pid=\d+(?:, ip=[\d.]+)?|raylet|gcs_
 _OURS = re.compile(r"(?:^|[\s:])verl-[a-z][\w-]*(?: [a-z]+)?: ")
 _STEP = re.compile(r"(?:^|\s)step:\d+ - ")
 _PROGRESS = re.compile(r"^Training Progress:")
+_PROGRESS_TOTAL = re.compile(r"\|\s*\d+/(\d+) \[")
+_NUMPY = re.compile(r"\bnp\.(?:float|int|uint|bool_)\w*\(([^()]*)\)")
 _ERROR = re.compile(
     r"\b(?:ERROR|CRITICAL|FATAL)\b"  # Python logging, verl's and Ray's formats
     r"|^[EF]\d{4} \d\d:\d\d:\d\d"  # glog (torch, Ray's C++ core): E1130 12:15:54.438 ...
@@ -50,6 +69,75 @@ _ERROR = re.compile(
 )
 # What varies between repeats of one error: numbers, hex ids, uuids.
 _VARYING = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|0x[0-9a-f]+|[0-9a-f]*\d[0-9a-f]*")
+
+
+def plain_numbers(text: str) -> str:
+    """numpy's reprs in verl's metrics line (``np.float64(0.5)``, ``np.int64(2)``) as plain numbers."""
+    return _NUMPY.sub(r"\1", text)
+
+
+def step_metrics(text: str) -> tuple[int, dict[str, float]] | None:
+    """(the step, its numeric metrics) of verl's console metrics line ``step:N - key:value - ...``, or None."""
+    found = _STEP.search(text)
+    if found is None:
+        return None
+    head, _, rest = text[found.start() :].strip().partition(" - ")
+    metrics: dict[str, float] = {}
+    for part in rest.split(" - "):
+        key, sep, value = part.partition(":")
+        if sep:
+            try:
+                metrics[key] = float(plain_numbers(value))
+            except ValueError:
+                continue
+    return int(head.split(":")[1]), metrics
+
+
+def duration(seconds: float) -> str:
+    """``0:42``, ``3:05``, ``2:10:00``: minutes and seconds, hours when there are any."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+#: (label, verl's metric, format) of the step line, in order; a metric a step did not report is left out.
+STEP_FIELDS = (
+    ("reward", "critic/score/mean", "{:.3f}"),
+    ("len", "response_length/mean", "{:.1f}"),
+    ("loss", "actor/pg_loss", "{:.3g}"),
+    ("grad", "actor/grad_norm", "{:.3g}"),
+)
+
+
+def step_fields(
+    step: int, metrics: dict[str, float], total: int | None = None, left_s: float | None = None
+) -> list[str]:
+    """A step's row, field by field, the most wanted first: ``step 3/40``, ``21:09 left``, ``reward 0.250``,
+    ``len 6.9`` (the mean response length), ``loss -0.0974`` (the policy loss), ``grad 0.916`` (its gradient
+    norm), ``34.3 s/step``, ``22 tok/s`` (verl's throughput). A validation's mean reward
+    (``val-core/<data>/reward/mean@N``) is added as ``val 0.312``; verl's validation before the first step is a
+    row of its own (``step 0/40  val 0.125``)."""
+    fields = [f"step {step}/{total}" if total else f"step {step}"]
+    if left_s is not None and total is not None and step < total:
+        fields.append(f"{duration(left_s)} left")
+    fields += [f"{label} {form.format(metrics[key])}" for label, key, form in STEP_FIELDS if key in metrics]
+    validation = sorted(key for key in metrics if key.startswith("val-core/") and "/mean@" in key)
+    if validation:
+        fields.append(f"val {metrics[validation[0]]:.3f}")
+    if "timing_s/step" in metrics:
+        fields.append(f"{metrics['timing_s/step']:.1f} s/step")
+    if "perf/throughput" in metrics:
+        fields.append(f"{metrics['perf/throughput']:.0f} tok/s")
+    return fields
+
+
+def step_line(fields: list[str], width: int | None = None) -> str:
+    """The fields in one row; within ``width`` columns, the last fields that do not fit are left out."""
+    row = "  ".join(fields)
+    while width is not None and len(row) > width and len(fields) > 1:
+        fields = fields[:-1]
+        row = "  ".join(fields)
+    return row
 
 
 def _strip(line: str) -> tuple[str, str]:
@@ -117,6 +205,9 @@ class Console:
     (a refused config) leaves no file.
     """
 
+    #: When a step's line came (the time left follows the run's own pace).
+    clock = staticmethod(time.monotonic)
+
     def __init__(self, *, verbose: bool = False) -> None:
         self.verbose = verbose
         self.active = False
@@ -127,8 +218,17 @@ class Console:
         self._seen_errors: set[str] = set()
         self._seen_ours: set[str] = set()
         self.repeated_errors = 0
-        self._progress = ""  # the progress bar drawn in place on a terminal, if any
+        self._progress = ""  # the line drawn in place on a terminal, if any
         self._streams: tuple[_Stream, _Stream] | None = None
+        #: The run's number of steps, if known (the CLI sets it from the config; verl's progress bar tells it).
+        self.total_steps: int | None = None
+        self._step_times: list[tuple[int, float]] = []  # (step, when its line came), this run's training steps
+        self._steps_shown: set[tuple[int, bool]] = set()
+        self._stopping = False
+
+    def stopping(self) -> None:
+        """The run is being stopped: from now on only verl-remote's own lines reach the console."""
+        self._stopping = True
 
     # -- the run's streams ---------------------------------------------------------------------
 
@@ -180,7 +280,10 @@ class Console:
             self._to_console(line.rstrip("\r"), stream)
             return
         if _PROGRESS.search(text):
-            if stream.isatty():
+            total = _PROGRESS_TOTAL.search(text)
+            if total:
+                self.total_steps = int(total.group(1))
+            if stream.isatty() and not self._step_times and not self._stopping:
                 self._draw_progress(text, stream)
             return
         ours = _OURS.search(text)
@@ -190,8 +293,10 @@ class Console:
             if text not in self._seen_ours:
                 self._seen_ours.add(text)
                 self._to_console(text, stream)
+        elif self._stopping:
+            return
         elif _STEP.search(text):
-            self._to_console(text, stream)
+            self._show_step(text, stream)
         elif is_error(text):
             key = _VARYING.sub("#", text.lower())
             if key in self._seen_errors:
@@ -200,7 +305,32 @@ class Console:
             self._seen_errors.add(key)
             self._to_console(plain, stream)
 
+    def _show_step(self, text: str, stream: _Stream) -> None:
+        parsed = step_metrics(text)
+        if parsed is None:
+            return
+        step, metrics = parsed
+        training = "timing_s/step" in metrics  # verl's validation before training has none
+        if (step, training) in self._steps_shown:
+            return  # on a cluster whose nodes share a machine, each node's log monitor forwards the line
+        self._steps_shown.add((step, training))
+        left_s = None
+        if training:
+            self._step_times.append((step, self.clock()))
+            (first, began), (last, ended) = self._step_times[0], self._step_times[-1]
+            # Seconds per step as the run goes (validations and checkpoints included), from the second step on.
+            per_step = (ended - began) / (last - first) if last > first else metrics["timing_s/step"]
+            if self.total_steps is not None:
+                left_s = per_step * (self.total_steps - step)
+        fields = step_fields(step, metrics, self.total_steps, left_s)
+        if training and stream.isatty():  # a training step on a terminal: in place, one row
+            self._draw_progress(step_line(fields, shutil.get_terminal_size().columns - 1), stream)
+        else:  # a validation before training, or not a terminal: a line of its own
+            self._to_console(step_line(fields), stream)
+
     def _to_log(self, plain: str) -> None:
+        if _STEP.search(plain):
+            plain = plain_numbers(plain)
         stamped = f"{time.strftime('%H:%M:%S')} {plain}"
         if self._log is None:
             self._pending.append(stamped)
@@ -218,8 +348,9 @@ class Console:
         original.flush()
 
     def _draw_progress(self, text: str, stream: _Stream) -> None:
-        self._progress = text
-        stream._original.write("\r\x1b[K" + text)
+        # One row, or the next redraw's carriage return would leave the wrapped part behind.
+        self._progress = text[: max(20, shutil.get_terminal_size().columns - 1)]
+        stream._original.write("\r\x1b[K" + self._progress)
         stream._original.flush()
 
     def _end_progress(self) -> None:
@@ -228,15 +359,26 @@ class Console:
             self._progress = ""
 
 
+_current: Console | None = None
+
+
+def current_console() -> Console | None:
+    """The :class:`Console` of this process's run, while :func:`run_console` has one installed."""
+    return _current
+
+
 @contextmanager
 def run_console(verbose: bool) -> Iterator[Console]:
     """A :class:`Console` installed for the duration of the block; removed on every way out."""
+    global _current
     console = Console(verbose=verbose or os.environ.get(VERBOSE_ENV, "") not in ("", "0"))
     if not console.verbose:
         # One line per line in the log; the console shows each error once by itself.
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     console.install()
+    _current = console
     try:
         yield console
     finally:
+        _current = None
         console.uninstall()

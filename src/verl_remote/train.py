@@ -242,6 +242,11 @@ def _run(config: DictConfig) -> RunSummary:
             # A second signal while the backend shuts down would leave it running: ignore it.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            from verl_remote.console import current_console
+
+            console = current_console()
+            if console is not None:  # the workers the stop ends say so in errors: the log has them
+                console.stopping()
             what = "terminated (SIGTERM)" if _TERMINATED else "interrupted"
             print(f"\nverl-remote: {what}; destroying the backend ...", file=sys.stderr, flush=True)
             try:

@@ -28,7 +28,18 @@ import pytest
 from conversation import TRAINING_RANKS, Observation, converse
 from real.vendor import real_arctic_server
 
-from conftest import arctic_jobs, finish, free_port, metric, read_until, serving_test_server, start, steps
+from conftest import (
+    arctic_jobs,
+    finish,
+    free_port,
+    metric,
+    read_until,
+    run_log,
+    serving_test_server,
+    start,
+    step_row,
+    steps,
+)
 from verl_remote.demo.assets import ensure_demo_assets
 
 pytestmark = pytest.mark.arctic_real
@@ -153,7 +164,7 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     proc = start(tmp_path, *settings, "trainer.total_training_steps=2")
     seen = ""
     try:
-        seen = "".join(read_until(proc, "step:1 "))
+        seen = "".join(read_until(proc, step_row(1)))
         held = arctic_jobs(arctic.url)
         assert set(held) == {str(job) for job in recorded.values()}  # the dead run's ids are this run's jobs now
         caplog.set_level(logging.WARNING, logger="verl_arctic.backend")
@@ -170,6 +181,6 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         out = seen + finish(proc)
     assert proc.returncode == 0, out[-5000:]
     assert steps(out)[-2:] == [1, 2]
-    diffs = metric(out, "training/rollout_probs_diff_max")
+    diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step
     assert arctic_jobs(arctic.url) == {}

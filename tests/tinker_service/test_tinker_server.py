@@ -21,7 +21,19 @@ import pytest
 import torch
 from test_local_server import listening, session_processes, wait_gone
 
-from conftest import finish, free_port, last_line, live_actors, metric, read_until, start, steps, train
+from conftest import (
+    finish,
+    free_port,
+    last_line,
+    live_actors,
+    metric,
+    read_until,
+    run_log,
+    start,
+    step_row,
+    steps,
+    train,
+)
 from verl_remote.compose import compose_config
 from verl_remote.compute import actor_loss
 from verl_tinker.local_server import LocalServer
@@ -145,7 +157,7 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert steps(first.stdout) == [1, 2]
     # The sampler got the trained weights each step: its log-probs are the trainer's.
-    diffs = metric(first.stdout, "training/rollout_probs_diff_max")
+    diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and max(diffs) < 1e-4
     record = json.loads((tmp_path / "ckpt" / "global_step_2" / "actor" / "tinker_checkpoint.json").read_text())
     assert record["step"] == 2 and record["tinker_path"].startswith("tinker://")
@@ -153,11 +165,11 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert ray_left_behind() == {}
 
     proc = start(tmp_path, *_tinker(tinker_server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto")
-    resumed = "".join(read_until(proc, "step:3 "))
+    resumed = "".join(read_until(proc, step_row(3)))
     assert steps(resumed) == [3]
     # Resumed from the service's own checkpoint (weights and optimizer): the first step's old log-probs are
     # those of the step-2 weights, so the sampler (synced on load) and the trainer agree from the start.
-    diffs = metric(resumed, "training/rollout_probs_diff_max")
+    diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
     assert len(diffs) == 1 and diffs[0] < 1e-4
 
     # Then the service loses the run's model between two steps (its stale-session cleanup does this): the next
@@ -221,7 +233,7 @@ def test_a_service_killed_mid_run_stops_the_run_within_its_timeout_and_the_serve
         service.holder.close()  # the SDK's session heartbeat, which would outlive the server
 
         proc = start(tmp_path, *_tinker(server.url), "trainer.total_training_steps=20", "remote_backend.timeout_s=60")
-        read_until(proc, "step:1 ")
+        read_until(proc, step_row(1))
     finally:
         server.stop()  # the service goes away
     killed_at = time.monotonic()

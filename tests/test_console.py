@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -204,3 +205,38 @@ def test_after_the_run_a_kept_reference_writes_through(monkeypatch: pytest.Monke
     console.uninstall()
     kept.write("Traceback (most recent call last):\n")
     assert err.getvalue() == "Traceback (most recent call last):\n"
+
+
+RAYLET_DIED = (
+    "\x1b[33m(raylet)\x1b[0m Raylet is terminated. Termination is unexpected. Possible reasons include: (1) SIGKILL "
+    "by the user or system OOM killer, (2) Invalid memory access from Raylet causing SIGSEGV or SIGBUS, (3) Other "
+    "termination signals. Last 20 lines of the Raylet logs:"
+)
+
+
+def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_died(
+    cli_main: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The raylet killed after step 2 (SIGKILL, the OOM killer): the driver's call fails with a closed connection,
+    and what it says is no help. The run's steps came through the console; Ray's own line says what died."""
+    import ray.exceptions
+
+    from verl_remote import train
+
+    def run(config: Any) -> train.RunSummary:
+        for step in (1, 2):
+            print(RAY + STEP.replace("step:1 ", f"step:{step} "))
+        print(RAYLET_DIED, file=sys.stderr)
+        raise ray.exceptions.ActorUnavailableError(
+            "The actor is temporarily unavailable: RpcError: Socket closed", None
+        )
+
+    monkeypatch.setattr(train, "run", run)
+    code, out, err = cli_main("train", "trainer.total_training_steps=4", f"trainer.default_local_dir={tmp_path / 'c'}")
+    assert code == 1, err[-3000:]
+    assert out.splitlines()[-2:] == [ROW, ROW.replace("step 1/4  1:43", "step 2/4  0:00")]  # no pace yet
+    assert "verl-remote: 2 steps (1-2); mean reward 0.104 over the first 2, 0.104 over the last 2" in err
+    assert err.strip().splitlines()[-1] == (
+        "verl-remote train: the run failed: Ray's raylet died under the run ('Raylet is terminated'); its calls then "
+        "failed (ActorUnavailableError)"
+    )

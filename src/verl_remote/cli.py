@@ -135,15 +135,21 @@ def _train(args: argparse.Namespace, console: Console) -> int:
                 raise
             _report_end(console, config)
             print(f"verl-remote: the full output of this run is in {console.log_path}", file=sys.stderr)
-            print(f"verl-remote train: the run failed: {_root_cause(exc)}", file=sys.stderr)
+            print(f"verl-remote train: the run failed: {_failure(exc, console)}", file=sys.stderr)
             return EXIT_FAILED
     print(summary.line(), flush=True)
     return 0
 
 
 def _report_end(console: Console, config: Any) -> None:
-    """Before the last line of a run that did not finish: what was not shown, and where it can resume."""
+    """Before the last line of a run that did not finish: its steps' rewards as far as it came, what was not shown,
+    and where it can resume."""
     from verl_remote.checkpoints import complete_steps
+    from verl_remote.train import RunSummary
+
+    if console.rewards:
+        summary = RunSummary([reward for _, reward in console.rewards], first_step=console.rewards[0][0])
+        print(summary.line(), file=sys.stderr)
 
     if console.repeated_errors:
         print(
@@ -158,6 +164,15 @@ def _report_end(console: Console, config: Any) -> None:
             f"verl-remote: the last complete checkpoint is {folder}/global_step_{steps[0]}; {how} resumes from it",
             file=sys.stderr,
         )
+
+
+def _failure(exc: BaseException, console: Console) -> str:
+    """The run's failure in one line: what died when Ray itself lost a process (the error every caller then gets
+    says only that a connection closed), else the innermost error."""
+    if console.ray_died is not None:
+        process, said = console.ray_died
+        return f"Ray's {process} died under the run ({said!r}); its calls then failed ({type(exc).__name__})"
+    return _root_cause(exc)
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -58,6 +58,8 @@ _RAY_PREFIX = re.compile(r"^\((?:[\w.]+ )?(?:pid=\d+(?:, ip=[\d.]+)?|raylet|gcs_
 _OURS = re.compile(r"(?:^|[\s:])verl-[a-z][\w-]*(?: [a-z]+)?: ")
 _STEP = re.compile(r"(?:^|\s)step:\d+ - ")
 _PROGRESS = re.compile(r"^Training Progress:")
+# Ray's own processes, when they report their end: "(raylet) Raylet is terminated. ...", "(raylet, ip=...) ...".
+_RAY_DIED = re.compile(r"^\((raylet|gcs_server)(?:, ip=[\d.]+)?\) (.*\b(?:terminated|died|dead)\b.*)", re.IGNORECASE)
 _PROGRESS_TOTAL = re.compile(r"\|\s*\d+/(\d+) \[")
 _NUMPY = re.compile(r"\bnp\.(?:float|int|uint|bool_)\w*\(([^()]*)\)")
 _ERROR = re.compile(
@@ -225,6 +227,11 @@ class Console:
         self._step_times: list[tuple[int, float]] = []  # (step, when its line came), this run's training steps
         self._steps_shown: set[tuple[int, bool]] = set()
         self._stopping = False
+        #: (step, mean reward) of every training step shown, for a summary when the run does not return one.
+        self.rewards: list[tuple[int, float]] = []
+        #: (which, what it said) when one of Ray's own processes died under the run: ("raylet", "Raylet is
+        #: terminated"), "(raylet) Raylet is terminated. Termination is unexpected. ..." on the console.
+        self.ray_died: tuple[str, str] | None = None
 
     def stopping(self) -> None:
         """The run is being stopped: from now on only verl-remote's own lines reach the console."""
@@ -276,6 +283,9 @@ class Console:
         text = text.rsplit("\r", 1)[-1]
         plain = plain.rsplit("\r", 1)[-1]
         self._to_log(plain)
+        died = _RAY_DIED.match(plain)
+        if died and self.ray_died is None:
+            self.ray_died = (died.group(1), died.group(2).split(". ")[0].rstrip("."))
         if self.verbose:
             self._to_console(line.rstrip("\r"), stream)
             return
@@ -316,6 +326,8 @@ class Console:
         self._steps_shown.add((step, training))
         left_s = None
         if training:
+            if "critic/score/mean" in metrics:
+                self.rewards.append((step, metrics["critic/score/mean"]))
             self._step_times.append((step, self.clock()))
             (first, began), (last, ended) = self._step_times[0], self._step_times[-1]
             # Seconds per step as the run goes (validations and checkpoints included), from the second step on.

@@ -69,12 +69,12 @@ def pytest_configure(config: pytest.Config) -> None:
 #: the two workers of ``nox -s tests`` (pytest-xdist, a module per worker at a time, in collection order) end
 #: together rather than one waiting on a long module started last. A new long module belongs in this list.
 LONGEST_FIRST = (
+    "tests/test_fresh_venv.py",
     "tests/arctic/test_arctic_train.py",
     "tests/test_train.py",
     "tests/tinker_service/test_tinker_server.py",
     "tests/arctic/test_real_server.py",
     "tests/test_cluster.py",
-    "tests/test_fresh_venv.py",
     "tests/test_check.py",
     # Then the longest of the quick tier (-m "not (slow or train or arctic_real or tinker)"), for the same reason.
     "tests/test_cli.py",

@@ -1,85 +1,163 @@
-"""The promise end to end: install the built wheels into a new virtual environment and nothing else.
+"""The promise end to end, as a user pastes it: the docs' quick starts in a copy of the checkout, with nothing
+activated, then third parties' wheels in the same environment.
 
-No environment variable, no search-path flag, no checkout on sys.path: the
-third-party backend's wheel is found by name by the CLI, by Hydra (through
-verl-remote and through verl's own main_ppo) and inside a Ray worker.
+The README's first command makes the environment (``python3 -m venv .venv && .venv/bin/pip install ...``) and
+trains the demo; the install and quick-start blocks of docs/arctic-backend.md and docs/tinker-backend.md run in
+it, read from the docs themselves. No environment variable, no search-path flag, no checkout on sys.path, no
+virtual environment on PATH: each backend is found by name by the CLI, by Hydra (through verl-remote and
+through verl's own main_ppo) and inside a Ray worker.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from conftest import ROOT, TEST_PACKAGES, run, steps
+from conftest import ROOT, read_until, run, steps
 
 pytestmark = pytest.mark.slow
 
 
-def _clean_env() -> dict[str, str]:
-    """This environment minus anything that could point the new one at the checkout."""
+def user_env() -> dict[str, str]:
+    """This environment as a user's shell has it: no virtual environment active (neither this test environment's
+    nor CI's), nothing pointing at the checkout. RAY_ADDRESS=local: a run must not join a cluster someone
+    started on this machine with `ray start`."""
     unset = ("PYTHONPATH", "VIRTUAL_ENV", "VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS")
-    return {k: v for k, v in os.environ.items() if k not in unset}
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    path = [entry for entry in env["PATH"].split(os.pathsep) if not (Path(entry).parent / "pyvenv.cfg").exists()]
+    return {**env, "PATH": os.pathsep.join(path), "RAY_ADDRESS": "local"}
 
 
-def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind: Any) -> None:
-    wheels = tmp_path / "wheels"
-    projects = (
-        ROOT,
-        ROOT / "dists" / "verl-arctic",
-        ROOT / "dists" / "verl-tinker",
-        TEST_PACKAGES / "echo-backend",
-        TEST_PACKAGES / "faulty-backend",
-        ROOT / "examples" / "bigram-backend",
+def doc_blocks(doc: Path, after: str) -> list[str]:
+    """The ```bash blocks of ``doc`` after the first line containing ``after``, as a user copies them."""
+    text = doc.read_text()
+    start = text.index(after)
+    return re.findall(r"```bash\n(.*?)```", text[start:], flags=re.DOTALL)
+
+
+def paste(block: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A block of shell lines run as pasted into a shell in ``cwd``, stopping at the first that fails."""
+    return run("bash", "-e", "-c", block, env=user_env(), cwd=cwd, timeout=timeout)
+
+
+def listed(stdout: str) -> list[list[str]]:
+    """``verl-remote list``'s rows, by column."""
+    return [line.split() for line in stdout.splitlines()[1:]]
+
+
+@dataclass
+class Checkout:
+    """A copy of this checkout as a user clones it, with its ``.venv`` made by the README's first command."""
+
+    folder: Path
+    readme_run: subprocess.CompletedProcess[str]
+
+    @property
+    def bin(self) -> Path:
+        return self.folder / ".venv" / "bin"
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkout]:
+    folder = tmp_path_factory.mktemp("clone") / "verl-remote"
+    # The files git would give a user: tracked ones and new ones not ignored (so that uncommitted work is tested).
+    files = run("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=ROOT).stdout
+    for name in filter(None, files.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            target = folder / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+            target.chmod(source.stat().st_mode)
+    [first_screen] = doc_blocks(ROOT / "README.md", "On a fresh machine")[:1]
+    [command] = [line for line in first_screen.splitlines() if line.startswith("python3 -m venv .venv")]
+    yield Checkout(folder, paste(command, folder, timeout=2400))
+
+
+def test_the_readme_s_first_command_installs_and_trains_the_demo_whose_reward_rises(checkout: Checkout) -> None:
+    out = checkout.readme_run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert steps(out.stdout) == list(range(0, 41))  # the validation before training (step 0), then 40 steps
+    summary = re.fullmatch(
+        r"verl-remote: 40 steps \(1-40\); mean reward (\d\.\d{3}) over the first 3, (\d\.\d{3}) over the last 3",
+        out.stdout.strip().splitlines()[-1],
     )
-    # With this environment's hatchling (nox -s build checks each build in an environment of its own).
-    build = ["wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", wheels]
-    out = run(sys.executable, "-m", "pip", *build, *projects, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    core = next(wheels.glob("verl_remote-*.whl"))
-    arctic = next(wheels.glob("verl_arctic-*.whl"))
-    tinker = next(wheels.glob("verl_tinker-*.whl"))
-    echo = next(wheels.glob("verl_remote_echo_backend-*.whl"))
-    faulty = next(wheels.glob("verl_remote_faulty_backend-*.whl"))
-    bigram = next(wheels.glob("verl_remote_bigram-*.whl"))
+    assert summary is not None, out.stdout[-3000:]
+    first, last = map(float, summary.groups())
+    assert last > first + 0.1, summary.group(0)  # the README: from about 0.13 to 0.33
 
-    venv = tmp_path / "venv"
-    assert run(sys.executable, "-m", "venv", venv).returncode == 0
-    bin_dir = venv / "bin"
-    constraints = ROOT / "constraints" / "cpu.txt"
-    out = run(
-        bin_dir / "pip",
-        "install",
-        "-c",
-        constraints,
-        core,
-        arctic,
-        tinker,
-        echo,
-        faulty,
-        bigram,
-        timeout=1200,
-        env=_clean_env(),
+
+def test_the_arctic_quick_start_as_pasted(checkout: Checkout) -> None:
+    doc = ROOT / "docs" / "arctic-backend.md"
+    install, quick_start = doc_blocks(doc, "## Install and run")[:2]
+    out = paste(install, checkout.folder, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shown = next(line for line in install.splitlines() if "verl-remote list" in line).split("#", 1)[1].split()
+    assert shown in listed(out.stdout)  # the line the doc shows
+
+    # The recipe launches `python -m verl_arctic.testing.server`: the venv's Python, though PATH has another.
+    assert "configs/arctic-test-server.yaml" in quick_start
+    out = paste(quick_start, checkout.folder, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert steps(out.stdout) == [0, 1, 2]  # the demo validates before training
+    assert not run("pgrep", "-f", "verl_arctic.testing.server --port 7000").stdout  # the run stopped its server
+
+
+def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
+    doc = ROOT / "docs" / "tinker-backend.md"
+    install, serve, train = doc_blocks(doc, "## Install and run")[:3]
+    out = paste(install, checkout.folder, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shown = next(line for line in install.splitlines() if "verl-remote list" in line).split("#", 1)[1].split()
+    assert shown in listed(out.stdout)
+
+    # One terminal: the server until Ctrl-C; another, once it is ready: the run.
+    server = subprocess.Popen(
+        ["bash", "-c", f"exec {serve.strip()}"],
+        cwd=checkout.folder,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    try:
+        read_until(server, "SkyRL Tinker server ready at http://127.0.0.1:8000")
+        out = paste(train, checkout.folder, timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert steps(out.stdout) == [0, 1, 2]
+    finally:
+        server.send_signal(signal.SIGINT)  # Ctrl-C
+        server.communicate(timeout=120)
+    assert server.returncode == 0
 
-    work = tmp_path / "elsewhere"  # not the checkout, so nothing resolves from the source tree
-    work.mkdir()
+
+def test_third_party_wheels_are_found_by_name_everywhere(
+    checkout: Checkout, tmp_path: Path, ray_left_behind: Any
+) -> None:
+    bin_dir = checkout.bin
+    packages = ["tests/packages/echo-backend", "tests/packages/faulty-backend", "examples/bigram-backend"]
+    out = run(bin_dir / "pip", "install", "-c", "constraints/cpu.txt", *packages, env=user_env(), cwd=checkout.folder,
+              timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    work = tmp_path  # not the checkout, so nothing resolves from the sources
 
     def in_venv(*args: str | Path) -> tuple[int, str, str]:
-        # RAY_ADDRESS=local: verl's ray.init() would join a cluster started on this machine with `ray start`.
-        env = {**_clean_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "RAY_ADDRESS": "local"}
-        out = run(*args, env=env, timeout=600, cwd=work)
+        out = run(*args, env=user_env(), timeout=600, cwd=work)
         return out.returncode, out.stdout, out.stderr
 
     code, stdout, stderr = in_venv(bin_dir / "verl-remote", "list")
     assert code == 0, stdout + stderr
-    assert [line.split() for line in stdout.splitlines()[1:]] == [
+    assert listed(stdout) == [
         ["arctic", "verl-arctic", "0.1.0", "pkg://verl_arctic/remote_backend/arctic.yaml", "ok"],
         ["bigram", "verl-remote-bigram", "0.1.0", "pkg://verl_remote_bigram/remote_backend/bigram.yaml", "ok"],
         ["echo", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/echo.yaml", "ok"],
@@ -146,3 +224,4 @@ def test_built_wheels_work_in_a_fresh_virtualenv(tmp_path: Path, ray_left_behind
     assert "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend faulty (verl-remote-faulty-backend 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend bigram (verl-remote-bigram 0.1.0) loads" in stdout
+    assert "Token authentication" not in stdout + stderr

@@ -226,6 +226,10 @@ def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_die
     def run(config: Any) -> train.RunSummary:
         for step in (1, 2):
             print(RAY + STEP.replace("step:1 ", f"step:{step} "))
+        print(
+            "(raylet) A worker died or was killed while executing a task by an unexpected system error.",
+            file=sys.stderr,
+        )
         print(RAYLET_DIED, file=sys.stderr)
         raise ray.exceptions.ActorUnavailableError(
             "The actor is temporarily unavailable: RpcError: Socket closed", None

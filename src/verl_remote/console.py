@@ -58,8 +58,9 @@ _RAY_PREFIX = re.compile(r"^\((?:[\w.]+ )?(?:pid=\d+(?:, ip=[\d.]+)?|raylet|gcs_
 _OURS = re.compile(r"(?:^|[\s:])verl-[a-z][\w-]*(?: [a-z]+)?: ")
 _STEP = re.compile(r"(?:^|\s)step:\d+ - ")
 _PROGRESS = re.compile(r"^Training Progress:")
-# Ray's own processes, when they report their end: "(raylet) Raylet is terminated. ...", "(raylet, ip=...) ...".
-_RAY_DIED = re.compile(r"^\((raylet|gcs_server)(?:, ip=[\d.]+)?\) (.*\b(?:terminated|died|dead)\b.*)", re.IGNORECASE)
+# A raylet's report of its own end ("(raylet) Raylet is terminated. Termination is unexpected. ..."), not the
+# raylet's reports of a worker's ("(raylet) A worker died or was killed ..."), which the run's error names.
+_RAY_DIED = re.compile(r"^\((raylet)(?:, ip=[\d.]+)?\) (Raylet is terminated\b.*)")
 _PROGRESS_TOTAL = re.compile(r"\|\s*\d+/(\d+) \[")
 _NUMPY = re.compile(r"\bnp\.(?:float|int|uint|bool_)\w*\(([^()]*)\)")
 _ERROR = re.compile(

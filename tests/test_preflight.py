@@ -162,6 +162,20 @@ def test_a_refused_run_makes_nothing(tmp_path: Path, cli_main: Any, monkeypatch:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_folder_another_run_holds_is_refused_before_anything_is_prepared(
+    tmp_path: Path, cli_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from verl_remote.train import hold_run_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "run"
+    with hold_run_folder(str(folder)):  # as a run does (a lock on a file of the folder)
+        code, out, err = cli_main("train", f"trainer.default_local_dir={folder}")
+    assert code == 2, err[-2000:]
+    assert f"trainer.default_local_dir={folder}: another verl-remote run (pid " in last_line(err)
+    assert "preparing the demo" not in out + err and not (tmp_path / "cache").exists()  # the demo's files: none
+
+
 def test_a_type_or_range_refusal_and_the_composed_config_import_neither_verl_nor_torch() -> None:
     """They only compose and check: `import verl` imports torch, seconds a refusal must not wait for
     (benchmarks/refusal.py measures the whole refusal)."""

@@ -70,10 +70,9 @@ def test_a_second_run_in_the_same_folder_is_refused_and_one_in_another_folder_ru
         first = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=stderr, text=True)
     seen = read_until(first, "training with backend")  # the first run holds the folder once it trains
 
-    code, _out, err = cli_main(
-        "train", f"trainer.default_local_dir={folder / 'ckpt'}", "trainer.total_training_steps=1"
-    )
+    code, out, err = cli_main("train", f"trainer.default_local_dir={folder / 'ckpt'}", "trainer.total_training_steps=1")
     assert code == 2, err[-2000:]
+    assert "preparing the demo" not in out + err  # refused before anything is prepared
     assert f"trainer.default_local_dir={folder / 'ckpt'}: another verl-remote run (pid {first.pid}, since " in (
         last_line(err)
     )

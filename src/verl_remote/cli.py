@@ -90,7 +90,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from verl_remote.compose import ConfigError, compose_config
     from verl_remote.preflight import check_numbers, run_preflight
     from verl_remote.registry import load_backend_class
-    from verl_remote.train import Terminated, hold_run_folder, prepare_config, run
+    from verl_remote.train import Terminated, check_run_folder_free, hold_run_folder, prepare_config, run
 
     composed = compose_config(args.overrides, recipe=args.recipe)
     backend_group = composed.get("remote_backend")
@@ -98,6 +98,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     if backend_group is not None:  # without one, prepare_config says how to choose it
         defaults = compose_config([f"remote_backend={backend_group.name}"], recipe=args.recipe)
         check_numbers(composed, defaults)  # before the config is prepared: a refused run makes nothing
+    check_run_folder_free(str(composed.trainer.default_local_dir))  # likewise, a run in the folder
     config = prepare_config(composed)
     name = str(config.remote_backend.name)
     assert defaults is not None

@@ -24,7 +24,16 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from verl_remote.compose import ConfigError
 
-__all__ = ["DEMO_PREFIX", "RunFolderBusy", "RunSummary", "Terminated", "hold_run_folder", "prepare_config", "run"]
+__all__ = [
+    "DEMO_PREFIX",
+    "RunFolderBusy",
+    "RunSummary",
+    "Terminated",
+    "check_run_folder_free",
+    "hold_run_folder",
+    "prepare_config",
+    "run",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,35 @@ class RunFolderBusy(ConfigError):
 LOCK_FILE = ".verl-remote.lock"
 
 
+def _holder(handle: Any) -> str:
+    handle.seek(0)
+    return handle.read().strip() or "another process"
+
+
+def _busy(folder: str, holder: str) -> RunFolderBusy:
+    return RunFolderBusy(
+        f"trainer.default_local_dir={folder}: another verl-remote run ({holder}) is using this folder; "
+        "wait for it to end, or set trainer.default_local_dir to another folder"
+    )
+
+
+def check_run_folder_free(folder: str) -> None:
+    """Refuse at once a folder another run holds, before anything is prepared; reads only (creates nothing).
+
+    :func:`hold_run_folder` takes the folder later and decides: a run may start in between."""
+    import fcntl
+
+    try:
+        handle = open(os.path.join(os.path.abspath(folder), LOCK_FILE))  # noqa: SIM115 - closed below
+    except OSError:
+        return  # no run has held it
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(os.path.abspath(folder), _holder(handle)) from None
+
+
 @contextmanager
 def hold_run_folder(folder: str) -> Iterator[None]:
     """Hold ``folder`` for this run: a second run in it is refused, never interleaved.
@@ -58,13 +96,9 @@ def hold_run_folder(folder: str) -> Iterator[None]:
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
+        holder = _holder(handle)
         handle.close()
-        raise RunFolderBusy(
-            f"trainer.default_local_dir={folder}: another verl-remote run ({holder}) is using this folder; "
-            "wait for it to end, or set trainer.default_local_dir to another folder"
-        ) from None
+        raise _busy(folder, holder) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

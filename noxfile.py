@@ -12,8 +12,8 @@ import nox
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
-# The distributions this repository builds: verl-remote (the root), verl-arctic and verl-tinker.
-DISTRIBUTIONS = [str(ROOT), str(ROOT / "dists" / "verl-arctic"), str(ROOT / "dists" / "verl-tinker")]
+# The distributions this repository builds: verl-remote (the root), verl-arctic and verl-remote-tinker.
+DISTRIBUTIONS = [str(ROOT), str(ROOT / "dists" / "verl-arctic"), str(ROOT / "dists" / "verl-remote-tinker")]
 TEST_PACKAGES = [str(p) for p in sorted((ROOT / "tests" / "packages").iterdir()) if (p / "pyproject.toml").is_file()]
 # Third-party backends to copy (examples/): built, installed and checked like any other.
 EXAMPLES = [str(p) for p in sorted((ROOT / "examples").iterdir()) if (p / "pyproject.toml").is_file()]

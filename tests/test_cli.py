@@ -74,9 +74,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         "[ok  ] backend arctic (verl-arctic 0.1.0) loads",
         "[ok  ] backend arctic: config group remote_backend/arctic composes",
         "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads",
-        "[ok  ] backend tinker (verl-tinker 0.1.0) loads",
+        "[ok  ] backend tinker (verl-remote-tinker 0.1.0) loads",
         "[ok  ] backend tinker: config group remote_backend/tinker composes",
-        "[ok  ] Ray worker: backend tinker (verl-tinker 0.1.0) loads",
+        "[ok  ] Ray worker: backend tinker (verl-remote-tinker 0.1.0) loads",
     ]
     for prefix in expected_ok:
         assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)

@@ -169,7 +169,7 @@ def test_third_party_wheels_are_found_by_name_everywhere(
             "ok",
         ],
         ["local", "verl-remote", "0.1.0", "pkg://verl_remote.backends.local/remote_backend/local.yaml", "ok"],
-        ["tinker", "verl-tinker", "0.1.0", "pkg://verl_tinker/remote_backend/tinker.yaml", "ok"],
+        ["tinker", "verl-remote-tinker", "0.1.0", "pkg://verl_remote_tinker/remote_backend/tinker.yaml", "ok"],
         ["twin", "verl-remote-echo-backend", "0.1.0", "pkg://verl_remote_echo_backend/remote_backend/twin.yaml", "ok"],
     ]
 
@@ -220,7 +220,7 @@ def test_third_party_wheels_are_found_by_name_everywhere(
     # In a Ray worker: verl loaded verl-remote's plugin, and each backend resolves by name from its wheel.
     assert "[ok  ] Ray worker: verl loads the verl-remote plugin: verl loaded verl_remote.verl_plugin" in stdout
     assert "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads" in stdout
-    assert "[ok  ] Ray worker: backend tinker (verl-tinker 0.1.0) loads" in stdout
+    assert "[ok  ] Ray worker: backend tinker (verl-remote-tinker 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend faulty (verl-remote-faulty-backend 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend bigram (verl-remote-bigram 0.1.0) loads" in stdout

@@ -1,4 +1,4 @@
-"""verl_tinker.local_server: SkyRL's Tinker-API server run locally, and stopped with everything it started.
+"""verl_remote_tinker.local_server: SkyRL's Tinker-API server run locally, and stopped with everything it started.
 
 The tests marked ``tinker`` start the real server (skyrl 0.4.0, JAX backend, on
 the CPU) on verl-remote's demo model. Its Python 3.12 environment is built on
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from verl_tinker.local_server import STOP_GRACE, LocalServerError, find_python312, start_local_server
+from verl_remote_tinker.local_server import STOP_GRACE, LocalServerError, find_python312, start_local_server
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
@@ -52,7 +52,7 @@ def test_find_python312_rejects_a_bad_explicit_path() -> None:
 
 def test_cli_without_python312_exits_2_with_one_line() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "verl_tinker.local_server", "--python", "/nonexistent"],
+        [sys.executable, "-m", "verl_remote_tinker.local_server", "--python", "/nonexistent"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -62,13 +62,13 @@ def test_cli_without_python312_exits_2_with_one_line() -> None:
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("verl-tinker: error: --python /nonexistent: not found;")
-    assert "VERL_TINKER_PYTHON" in lines[0]
+    assert lines[0].startswith("verl-remote-tinker: error: --python /nonexistent: not found;")
+    assert "VERL_REMOTE_TINKER_PYTHON" in lines[0]
 
 
 def test_a_negative_sample_batch_exits_2_with_one_line() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "verl_tinker.local_server", "--sample-batch", "-1"],
+        [sys.executable, "-m", "verl_remote_tinker.local_server", "--sample-batch", "-1"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -76,7 +76,7 @@ def test_a_negative_sample_batch_exits_2_with_one_line() -> None:
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "verl-tinker: error: --sample-batch -1: expected 0 (no padding) or more"
+        "verl-remote-tinker: error: --sample-batch -1: expected 0 (no padding) or more"
     ]
     with pytest.raises(LocalServerError, match=r"^sample_batch=-1: expected 0 \(no padding\) or a number"):
         start_local_server(sample_batch=-1)
@@ -86,7 +86,7 @@ def test_a_negative_sample_batch_exits_2_with_one_line() -> None:
 def test_cli_runs_until_sigint_and_leaves_nothing(tmp_path: Path) -> None:
     workdir = tmp_path / "work"
     process = subprocess.Popen(
-        [sys.executable, "-m", "verl_tinker.local_server", "--workdir", str(workdir)],
+        [sys.executable, "-m", "verl_remote_tinker.local_server", "--workdir", str(workdir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -96,7 +96,7 @@ def test_cli_runs_until_sigint_and_leaves_nothing(tmp_path: Path) -> None:
     try:
         assert process.stdout is not None
         ready = process.stdout.readline()  # the ready line is its first line on stdout
-        assert ready.startswith("verl-tinker: SkyRL Tinker server ready at http://127.0.0.1:"), (
+        assert ready.startswith("verl-remote-tinker: SkyRL Tinker server ready at http://127.0.0.1:"), (
             ready,
             process.stderr.read() if process.poll() is not None and process.stderr else "",
         )

@@ -1,4 +1,4 @@
-"""verl-tinker's mapping of verl's settings and loss onto the Tinker API, without a service.
+"""verl-remote-tinker's mapping of verl's settings and loss onto the Tinker API, without a service.
 
 The gradient the service applies is checked against the real SkyRL server in test_tinker_server.py; here,
 the arithmetic of what is sent, the settings refused, and the optimizer and schedule mapping.
@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 
 from verl_remote.compose import compose_config
 from verl_remote.compute import actor_loss
-from verl_tinker.backend import TinkerBackend, check_objective, loss_reduction
-from verl_tinker.session import adam_params, lr_schedule
-from verl_tinker.worker import linearised_datums
+from verl_remote_tinker.backend import TinkerBackend, check_objective, loss_reduction
+from verl_remote_tinker.session import adam_params, lr_schedule
+from verl_remote_tinker.worker import linearised_datums
 
 
 def _jagged(rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -181,7 +181,7 @@ def _config(**backend: Any) -> Any:
 
 
 def test_preflight_names_the_missing_base_url() -> None:
-    with pytest.raises(ValueError, match=r"remote_backend.base_url is not set: .*verl_tinker.local_server"):
+    with pytest.raises(ValueError, match=r"remote_backend.base_url is not set: .*verl_remote_tinker.local_server"):
         TinkerBackend.preflight(_config(base_url=None))
 
 

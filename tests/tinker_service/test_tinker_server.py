@@ -1,4 +1,4 @@
-"""verl-tinker against SkyRL's real Tinker-API server (``skyrl[tinker,jax]==0.4.0``), not a fake of it.
+"""verl-remote-tinker against SkyRL's real Tinker-API server (``skyrl[tinker,jax]==0.4.0``), not a fake of it.
 
 The server runs in its own Python 3.12 environment (the ``tinker_server`` fixture in tests/conftest.py); the
 runs reach it only through ``remote_backend.base_url``, as a user's would. Its database (SQLite, in the
@@ -36,9 +36,9 @@ from conftest import (
 )
 from verl_remote.compose import compose_config
 from verl_remote.compute import actor_loss
-from verl_tinker.local_server import LocalServer
-from verl_tinker.session import TinkerSession
-from verl_tinker.worker import linearised_datums
+from verl_remote_tinker.local_server import LocalServer
+from verl_remote_tinker.session import TinkerSession
+from verl_remote_tinker.worker import linearised_datums
 
 pytestmark = [pytest.mark.tinker, pytest.mark.train]
 
@@ -53,7 +53,7 @@ def _tinker(url: str) -> list[str]:
     return ["remote_backend=tinker", f"remote_backend.base_url={url}"]
 
 
-def test_verl_tinker_passes_every_conformance_check(tinker_server: LocalServer, ray_instance: Any) -> None:
+def test_verl_remote_tinker_passes_every_conformance_check(tinker_server: LocalServer, ray_instance: Any) -> None:
     from verl_remote.testing import check_backend
 
     results = check_backend("tinker", [f"remote_backend.base_url={tinker_server.url}"])
@@ -193,7 +193,7 @@ def test_an_unreachable_service_fails_before_anything_starts(cli_main: Any) -> N
     assert code == 2, err[-3000:]
     last = last_line(err)
     assert f"remote_backend.base_url={dead}: nothing answers there" in last, last
-    assert "verl_tinker.local_server" in last
+    assert "verl_remote_tinker.local_server" in last
     assert time.monotonic() - began < 60
 
 

@@ -4,7 +4,7 @@ The Tinker API orders a training client's requests by a per-client sequence numb
 checkpoint only as its first request (a resumed run gets a new model); a sampling session belongs to the
 session that made it. So one process owns the session, the training client, the current sampler and the
 base model's sampler, and the forwarder and the rollout servers call it: :class:`TinkerSession`, started by
-:class:`~verl_tinker.backend.TinkerBackend` as a :class:`~verl_remote.service.RayService`.
+:class:`~verl_remote_tinker.backend.TinkerBackend` as a :class:`~verl_remote.service.RayService`.
 
 Futures are used as the API means them: ``submit_forward_backward`` returns once the request is queued,
 ``optim_step`` queues the step behind it and waits for both, the sampler's weights are saved right after.
@@ -107,7 +107,7 @@ class TinkerSession:
             try:
                 await self._unload(model_id)
             except Exception as exc:  # the service may be gone; destroy must still finish
-                log.warning("verl-tinker: could not unload model %s: %s", model_id, exc)
+                log.warning("verl-remote-tinker: could not unload model %s: %s", model_id, exc)
         self.model_ids = []
         self.service.holder.close()
         self.service = None

@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from verl_remote.compute import actor_loss
 from verl_remote.worker import RemoteForwarderWorker
-from verl_tinker.backend import TinkerBackend
+from verl_remote_tinker.backend import TinkerBackend
 
 __all__ = ["TinkerForwarderWorker", "linearised_datums"]
 

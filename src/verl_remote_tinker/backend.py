@@ -1,4 +1,4 @@
-"""``TinkerBackend``: the RemoteBackend contract over one Tinker session (:mod:`verl_tinker.session`).
+"""``TinkerBackend``: the RemoteBackend contract over one Tinker session (:mod:`verl_remote_tinker.session`).
 
 The driver starts the session actor, which connects to the service at ``remote_backend.base_url``, creates
 the run's LoRA training client and its samplers; the forwarder and every rollout server re-attach to the
@@ -118,11 +118,11 @@ class TinkerBackend(RemoteBackend):
         optim = dict(actor.get("optim") or {})
         if float(optim.get("clip_grad") or 0.0) > 0 and reduction == "sequence_mean":
             log.warning(
-                "verl-tinker: SkyRL's Tinker server does not clip gradients (its AdamParams has no grad_clip_norm); "
-                "actor_rollout_ref.actor.optim.clip_grad=%s is sent and not applied",
+                "verl-remote-tinker: SkyRL's Tinker server does not clip gradients (its AdamParams has no "
+                "grad_clip_norm); actor_rollout_ref.actor.optim.clip_grad=%s is sent and not applied",
                 optim.get("clip_grad"),
             )
-        from verl_tinker.session import TinkerSession
+        from verl_remote_tinker.session import TinkerSession
 
         try:
             service = RayService.start(
@@ -130,19 +130,21 @@ class TinkerBackend(RemoteBackend):
                 {**settings, "base_url": base_url},
                 base_model,
                 optim,
-                prefix="verl_tinker_session",
+                prefix="verl_remote_tinker_session",
                 num_cpus=resources(settings)["num_cpus"],
             )
         except ServiceStartError as exc:
-            raise RuntimeError(f"verl-tinker: {exc}") from None
+            raise RuntimeError(f"verl-remote-tinker: {exc}") from None
         backend = cls(service, reduction)
         try:
             started = ray.get(backend.session.start.remote())
         except Exception as exc:
             service.stop()
-            raise RuntimeError(f"verl-tinker: the service at {base_url} refused the run: {_cause(exc)}") from None
+            raise RuntimeError(
+                f"verl-remote-tinker: the service at {base_url} refused the run: {_cause(exc)}"
+            ) from None
         log.info(
-            "verl-tinker: training %s (LoRA rank %s) as model %s on %s; loss reduction %s",
+            "verl-remote-tinker: training %s (LoRA rank %s) as model %s on %s; loss reduction %s",
             base_model,
             settings.get("lora_rank"),
             started["model_id"],
@@ -174,7 +176,7 @@ class TinkerBackend(RemoteBackend):
         record = os.path.join(path, CHECKPOINT_FILE)
         if not os.path.isfile(record):
             raise FileNotFoundError(
-                f"{record} is missing: this checkpoint was not written by verl-tinker, so there is no service "
+                f"{record} is missing: this checkpoint was not written by verl-remote-tinker, so there is no service "
                 "checkpoint to resume from"
             )
         with open(record) as f:
@@ -221,7 +223,7 @@ def _base_url(settings: dict[str, Any]) -> str:
         raise ValueError(
             "remote_backend.base_url is not set: point it at the Tinker-API service, e.g. "
             "remote_backend.base_url=http://127.0.0.1:8000 for a server started with "
-            "'python -m verl_tinker.local_server --port 8000'"
+            "'python -m verl_remote_tinker.local_server --port 8000'"
         )
     return str(url).rstrip("/")
 
@@ -242,8 +244,8 @@ def _healthy(settings: dict[str, Any]) -> None:
     except httpx.HTTPError as exc:
         raise ValueError(
             f"remote_backend.base_url={url}: nothing answers there ({type(exc).__name__}: {exc}); start the service "
-            "(python -m verl_tinker.local_server --port N for a local one) or set remote_backend.base_url to where "
-            "it runs"
+            "(python -m verl_remote_tinker.local_server --port N for a local one) or set remote_backend.base_url to "
+            "where it runs"
         ) from exc
     if response.status_code >= 400 and response.status_code not in (401, 403):
         raise ValueError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer, SampleResult
-from verl_tinker.backend import TinkerBackend
+from verl_remote_tinker.backend import TinkerBackend
 
 __all__ = ["TinkerRolloutReplica", "TinkerRolloutServer"]
 

@@ -1,7 +1,7 @@
 """SkyRL's open-source Tinker-API server, run locally for development and tests.
 
-    python -m verl_tinker.local_server [--port N] [--host 127.0.0.1] [--model PATH] [--python PY312] [--workdir DIR]
-                                       [--sample-batch N]
+    python -m verl_remote_tinker.local_server [--port N] [--host 127.0.0.1] [--model PATH] [--python PY312]
+                                              [--workdir DIR] [--sample-batch N]
 
 starts the Tinker-API server of ``skyrl[tinker,jax]==0.4.0`` (JAX backend),
 serving a small local model (by default verl-remote's demo model), waits until
@@ -12,9 +12,9 @@ foreground until Ctrl-C or SIGTERM; then it stops everything it started.
 Its own environment. SkyRL 0.4.0 requires Python >=3.12 and pulls JAX and
 CUDA builds of torch, none of which belongs in verl's environment. A virtual
 environment is built once (about 2-3 minutes, some GB) with a Python 3.12
-interpreter found on this machine (``--python``, ``$VERL_TINKER_PYTHON``,
+interpreter found on this machine (``--python``, ``$VERL_REMOTE_TINKER_PYTHON``,
 ``python3.12`` on ``PATH``, then pyenv's versions), under
-``$VERL_TINKER_SERVER_CACHE`` (default ``~/.cache/verl-remote/tinker-server``),
+``$VERL_REMOTE_TINKER_SERVER_CACHE`` (default ``~/.cache/verl-remote/tinker-server``),
 outside any checkout, and reused. It is built in a staging folder under a file
 lock and moved into place with a ``COMPLETE`` marker, so an interrupted or
 concurrent build never leaves a half-built environment in use. Because it was
@@ -104,9 +104,9 @@ ENV_NAME = f"skyrl-{SKYRL_VERSION}-py{PYTHON_VERSION}-v{ENV_VERSION}"
 #: skyrl 0.4.0's api imports aiohttp without declaring it; uv launches the server (see the module docstring).
 REQUIREMENTS = (f"skyrl[tinker,jax]=={SKYRL_VERSION}", f"tinker=={TINKER_VERSION}", "aiohttp", "uv")
 
-PYTHON_ENV_VAR = "VERL_TINKER_PYTHON"
-CACHE_ENV_VAR = "VERL_TINKER_SERVER_CACHE"
-PREFIX = "verl-tinker:"
+PYTHON_ENV_VAR = "VERL_REMOTE_TINKER_PYTHON"
+CACHE_ENV_VAR = "VERL_REMOTE_TINKER_SERVER_CACHE"
+PREFIX = "verl-remote-tinker:"
 HOW_TO_GET_PYTHON = (
     f"install Python {PYTHON_VERSION} (e.g. `pyenv install {PYTHON_VERSION}`, `uv python install {PYTHON_VERSION}` "
     f"or your OS's python{PYTHON_VERSION} and python{PYTHON_VERSION}-venv packages) and pass "
@@ -180,7 +180,7 @@ def _version_key(path: Path) -> tuple[int, ...]:
 def find_python312(explicit: str | None = None) -> str:
     """A Python 3.12 interpreter to build the server's environment with.
 
-    ``explicit`` (``--python``) or ``$VERL_TINKER_PYTHON`` is used as given, and
+    ``explicit`` (``--python``) or ``$VERL_REMOTE_TINKER_PYTHON`` is used as given, and
     an error if unusable; otherwise the first usable of ``python3.12`` on
     ``PATH`` (a pyenv shim for a version that is not active does not run, and is
     skipped) and pyenv's ``versions/3.12*/bin/python3.12``, newest first.
@@ -221,7 +221,7 @@ def find_python312(explicit: str | None = None) -> str:
 
 
 def default_cache_dir() -> Path:
-    """Where server environments are kept: ``$VERL_TINKER_SERVER_CACHE``, else under the user's cache folder."""
+    """Where server environments are kept: ``$VERL_REMOTE_TINKER_SERVER_CACHE``, else under the user's cache folder."""
     if os.environ.get(CACHE_ENV_VAR):
         return Path(os.environ[CACHE_ENV_VAR]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -443,7 +443,11 @@ class LocalServer:
             raise _NotReady(f"healthz answered {health!r}")
         session = _http(
             f"{api}/create_session",
-            {"tags": ["verl-tinker-readiness-probe"], "user_metadata": {}, "sdk_version": f"verl-tinker/{ENV_NAME}"},
+            {
+                "tags": ["verl-remote-tinker-readiness-probe"],
+                "user_metadata": {},
+                "sdk_version": f"verl-remote-tinker/{ENV_NAME}",
+            },
         )
         created = _http(
             f"{api}/create_model",
@@ -552,7 +556,7 @@ def start_local_server(
     if port is None:
         port = free_port(host)
     owns_workdir = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="verl-tinker-server-")) if workdir is None else workdir
+    work = Path(tempfile.mkdtemp(prefix="verl-remote-tinker-server-")) if workdir is None else workdir
     work = work.expanduser().resolve()
     work.mkdir(parents=True, exist_ok=True)
     command = [
@@ -611,7 +615,7 @@ class _Stop(Exception):
 def _stop_on_signals() -> Iterator[None]:
     """SIGTERM, SIGHUP and SIGINT end the foreground loop, so that the server is stopped.
 
-    SIGINT too: a shell starts a background job (``python -m verl_tinker.local_server ... &``) with SIGINT
+    SIGINT too: a shell starts a background job (``python -m verl_remote_tinker.local_server ... &``) with SIGINT
     ignored, and Python then never raises KeyboardInterrupt, so ``kill -INT`` would leave the server running.
     """
 
@@ -628,7 +632,7 @@ def _stop_on_signals() -> Iterator[None]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m verl_tinker.local_server",
+        prog="python -m verl_remote_tinker.local_server",
         description=(
             f"Run SkyRL's Tinker-API server (skyrl {SKYRL_VERSION}, JAX backend) locally on a small model, "
             "until Ctrl-C. The first use builds its Python 3.12 environment (a few minutes, then cached)."

@@ -22,8 +22,8 @@ STEP = (
     "training/off_policy/trajectory_staleness/max:np.int64(0) - timing_s/step:34.30806676999998 - "
     "perf/total_num_tokens:765 - perf/throughput:22.2979628997615"
 )
-#: What the console shows for it, the run's 4 steps known: the time left is the step's time, 3 times.
-ROW = "step 1/4  1:43 left  reward 0.104  len 7.0  loss -0.0974  grad 0.916  34.3 s/step  22 tok/s"
+#: What the console shows for it as a run's first of 4 steps: no time left yet (the pace needs two steps).
+ROW = "step 1/4  reward 0.104  len 7.0  loss -0.0974  grad 0.916  34.3 s/step  22 tok/s"
 
 NOISE = [
     "/site-packages/verl/workers/engine/__init__.py:32: UserWarning: torchtitan engine is not available: "
@@ -158,7 +158,7 @@ def test_on_a_terminal_the_bar_then_the_step_row_are_drawn_in_place_and_elsewher
     console.total_steps = 4
     print(RAY + STEP)
     console.uninstall()
-    assert out.getvalue() == "\r\x1b[Kstep 1/4  1:43 left  reward 0.104  len 7.0  loss -0.0974"
+    assert out.getvalue() == "\r\x1b[Kstep 1/4  reward 0.104  len 7.0  loss -0.0974  grad 0.916"
 
     console, out, err = _console(monkeypatch, tty=False)
     arrivals = iter([100.0, 130.0])  # step 2's line 30 s after step 1's
@@ -172,7 +172,7 @@ def test_on_a_terminal_the_bar_then_the_step_row_are_drawn_in_place_and_elsewher
     assert out.getvalue().splitlines() == [
         "step 0/4  val 0.125",
         ROW,
-        ROW.replace("step 1/4", "step 2/4").replace("1:43", "1:00"),  # 2 steps left at the run's own pace
+        ROW.replace("step 1/4", "step 2/4  1:00 left"),  # 2 steps left at the run's own pace, 30 s a step
     ]
 
 
@@ -238,7 +238,7 @@ def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_die
     monkeypatch.setattr(train, "run", run)
     code, out, err = cli_main("train", "trainer.total_training_steps=4", f"trainer.default_local_dir={tmp_path / 'c'}")
     assert code == 1, err[-3000:]
-    assert out.splitlines()[-2:] == [ROW, ROW.replace("step 1/4  1:43", "step 2/4  0:00")]  # no pace yet
+    assert out.splitlines()[-2:] == [ROW, ROW.replace("step 1/4", "step 2/4  0:00 left")]  # no time between them
     assert "verl-remote: 2 steps (1-2); mean reward 0.104 over the first 2, 0.104 over the last 2" in err
     assert err.strip().splitlines()[-1] == (
         "verl-remote train: the run failed: Ray's raylet died under the run ('Raylet is terminated'); its calls then "

@@ -331,10 +331,10 @@ class Console:
                 self.rewards.append((step, metrics["critic/score/mean"]))
             self._step_times.append((step, self.clock()))
             (first, began), (last, ended) = self._step_times[0], self._step_times[-1]
-            # Seconds per step as the run goes (validations and checkpoints included), from the second step on.
-            per_step = (ended - began) / (last - first) if last > first else metrics["timing_s/step"]
-            if self.total_steps is not None:
-                left_s = per_step * (self.total_steps - step)
+            # Seconds per step as the run goes (validations and checkpoints included), from the second step on:
+            # a run's first step also warms up (the demo's: 12-21 s, then 1.5 s), so it alone would mislead.
+            if self.total_steps is not None and last > first:
+                left_s = (ended - began) / (last - first) * (self.total_steps - step)
         fields = step_fields(step, metrics, self.total_steps, left_s)
         if training and stream.isatty():  # a training step on a terminal: in place, one row
             self._draw_progress(step_line(fields, shutil.get_terminal_size().columns - 1), stream)

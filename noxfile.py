@@ -38,10 +38,13 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff: lint and formatting."""
-    session.install("ruff")
+    """ruff: lint and formatting; import-linter: the import contracts in pyproject.toml (no cycle, the backend
+    distributions independent of each other and of the local backend)."""
+    session.install("ruff", "import-linter")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # import-linter reads the sources without importing them: src/ on the path is enough.
+    session.run("lint-imports", env={"PYTHONPATH": str(ROOT / "src")})
 
 
 @nox.session

@@ -146,7 +146,7 @@ def _report_end(console: Console, config: Any) -> None:
     """Before the last line of a run that did not finish: its steps' rewards as far as it came, what was not shown,
     and where it can resume."""
     from verl_remote.checkpoints import complete_steps
-    from verl_remote.train import RunSummary
+    from verl_remote.summary import RunSummary
 
     if console.rewards:
         summary = RunSummary([reward for _, reward in console.rewards], first_step=console.rewards[0][0])

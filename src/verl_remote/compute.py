@@ -14,6 +14,10 @@ verl's clip ratios, minus ``entropy_coeff`` times the entropy, plus ``kl_loss_co
 ``ref_log_prob`` when ``use_kl_loss``, each aggregated by ``loss_agg_mode`` over the global mini-batch
 (``meta``'s ``dp_size``, ``batch_num_tokens``, ``global_batch_size``). Every setting it reads is in the
 run's actor config (``actor_rollout_ref.actor``), which a forwarder has as ``self.config.actor``.
+
+**Sampling.** :func:`sample_token` draws one token as verl's sampling parameters mean it (temperature, then
+top-k, then top-p; greedy at temperature 0) and returns its log-prob under the temperature-scaled
+distribution, which is what verl compares with the trainer's (``rollout_probs_diff``).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["actor_loss", "response_index", "response_values"]
+__all__ = ["actor_loss", "response_index", "response_values", "sample_token"]
 
 
 def _lengths(value: Any) -> torch.Tensor:
@@ -138,3 +143,24 @@ def _actor_config(actor_config: Any) -> Any:
     if isinstance(actor_config, DictConfig):
         return omega_conf_to_dataclass(actor_config)
     return actor_config
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[int, float]:
+    """One token from ``logits`` and its log-prob under the temperature-scaled distribution."""
+    if temperature <= 0:
+        log_probs = F.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logits))
+        return token, float(log_probs[token])
+    scaled = logits / temperature
+    log_probs = F.log_softmax(scaled, dim=-1)
+    filtered = scaled.clone()
+    if top_k and top_k > 0:
+        kth = torch.topk(filtered, min(top_k, filtered.numel())).values[-1]
+        filtered[filtered < kth] = float("-inf")
+    if 0 < top_p < 1:
+        sorted_logits, order = torch.sort(filtered, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
+        filtered[order[drop]] = float("-inf")
+    token = int(torch.multinomial(torch.softmax(filtered, dim=-1), 1))
+    return token, float(log_probs[token])

@@ -17,12 +17,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from verl_remote.compose import ConfigError
+from verl_remote.summary import RunSummary
 
 __all__ = [
     "DEMO_PREFIX",
@@ -121,25 +121,6 @@ _TERMINATED = False
 LOG_DRAIN_S = 1.5
 
 
-@dataclass
-class RunSummary:
-    """What the TaskRunner reports back: the mean reward of every training step, in order."""
-
-    rewards: list[float] = field(default_factory=list)
-    first_step: int = 1
-
-    def line(self, window: int = 3) -> str:
-        if not self.rewards:
-            return "verl-remote: no training step ran"
-        head, tail = self.rewards[:window], self.rewards[-window:]
-        last_step = self.first_step + len(self.rewards) - 1
-        return (
-            f"verl-remote: {len(self.rewards)} steps ({self.first_step}-{last_step}); mean reward "
-            f"{sum(head) / len(head):.3f} over the first {len(head)}, "
-            f"{sum(tail) / len(tail):.3f} over the last {len(tail)}"
-        )
-
-
 def _demo_values(config: DictConfig) -> Iterator[tuple[Any, Any, str]]:
     """(container, key, value) for every string value naming a demo asset."""
     stack: list[Any] = [config]
@@ -189,7 +170,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_remote.trainer import MODE, ROLLOUT_NAME
+    from verl_remote.names import MODE, ROLLOUT_NAME
 
     if config.get("remote_backend") is None:
         raise ConfigError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")

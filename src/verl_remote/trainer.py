@@ -46,9 +46,9 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_remote.backend import RemoteBackend
 from verl_remote.checkpoints import resume_target, seal
+from verl_remote.names import MODE, ROLLOUT_NAME
 from verl_remote.registry import load_backend_class, load_worker_class
-from verl_remote.train import RunSummary
-from verl_remote.verl_hooks import MODE, ROLLOUT_NAME
+from verl_remote.summary import RunSummary
 from verl_remote.worker import CUSTOM_KEY, attach_backend
 
 __all__ = [

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MODE", "ROLLOUT_NAME", "on_rollout_replica", "on_trainer_base"]
+from verl_remote.names import MODE, ROLLOUT_NAME
 
-MODE = "remote"  # trainer.v1.trainer_mode
-ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
+__all__ = ["MODE", "ROLLOUT_NAME", "on_rollout_replica", "on_trainer_base"]
 
 
 class _Trainers(dict):  # type: ignore[type-arg]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from verl_remote.compute import sample_token
 from verl_remote.payload import Packed, to_nested
 
 log = logging.getLogger(__name__)
@@ -312,24 +313,3 @@ def next_token_log_probs(
     log_probs = log_softmax.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1) if with_entropy else None
     return log_probs, entropy
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[int, float]:
-    """One token from ``logits`` and its log-prob under the temperature-scaled distribution."""
-    if temperature <= 0:
-        log_probs = F.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logits))
-        return token, float(log_probs[token])
-    scaled = logits / temperature
-    log_probs = F.log_softmax(scaled, dim=-1)
-    filtered = scaled.clone()
-    if top_k and top_k > 0:
-        kth = torch.topk(filtered, min(top_k, filtered.numel())).values[-1]
-        filtered[filtered < kth] = float("-inf")
-    if 0 < top_p < 1:
-        sorted_logits, order = torch.sort(filtered, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
-        filtered[order[drop]] = float("-inf")
-    token = int(torch.multinomial(torch.softmax(filtered, dim=-1), 1))
-    return token, float(log_probs[token])

@@ -54,6 +54,14 @@ def listed(stdout: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines()[1:]]
 
 
+def install_as_documented(install: str, cwd: Path) -> None:
+    """A doc's install block, pasted: it succeeds, and its ``verl-remote list`` shows the row the doc shows."""
+    out = paste(install, cwd, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shown = next(line for line in install.splitlines() if "verl-remote list" in line).split("#", 1)[1].split()
+    assert shown in listed(out.stdout)
+
+
 @dataclass
 class Checkout:
     """A copy of this checkout as a user clones it, with its ``.venv`` made by the README's first command."""
@@ -99,10 +107,7 @@ def test_the_readme_s_first_command_installs_and_trains_the_demo_whose_reward_ri
 def test_the_arctic_quick_start_as_pasted(checkout: Checkout) -> None:
     doc = ROOT / "docs" / "arctic-backend.md"
     install, quick_start = doc_blocks(doc, "## Install and run")[:2]
-    out = paste(install, checkout.folder, timeout=1200)
-    assert out.returncode == 0, out.stderr[-3000:]
-    shown = next(line for line in install.splitlines() if "verl-remote list" in line).split("#", 1)[1].split()
-    assert shown in listed(out.stdout)  # the line the doc shows
+    install_as_documented(install, checkout.folder)
 
     # The recipe launches `python -m verl_arctic.testing.server`: the venv's Python, though PATH has another.
     assert "configs/arctic-test-server.yaml" in quick_start
@@ -115,10 +120,7 @@ def test_the_arctic_quick_start_as_pasted(checkout: Checkout) -> None:
 def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
     doc = ROOT / "docs" / "tinker-backend.md"
     install, serve, train = doc_blocks(doc, "## Install and run")[:3]
-    out = paste(install, checkout.folder, timeout=1200)
-    assert out.returncode == 0, out.stderr[-3000:]
-    shown = next(line for line in install.splitlines() if "verl-remote list" in line).split("#", 1)[1].split()
-    assert shown in listed(out.stdout)
+    install_as_documented(install, checkout.folder)
 
     # One terminal: the server until Ctrl-C; another, once it is ready: the run.
     server = subprocess.Popen(

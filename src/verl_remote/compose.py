@@ -9,6 +9,7 @@ primary config; it lists ``verl_remote`` first in its defaults.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,8 +25,10 @@ CONFIG_MODULE = "verl_remote.config"
 CONFIG_NAME = "verl_remote"
 
 
+@functools.cache
 def verl_config_dir() -> str:
-    """The folder of verl's trainer configs (``verl/trainer/config``), found without importing verl.
+    """The folder of verl's trainer configs (``verl/trainer/config``), found without importing verl, once per
+    process (``train`` composes twice, the run's config and the backend's defaults).
 
     Hydra's ``pkg://verl.trainer.config`` imports the package, and verl's ``__init__`` imports torch: about 4 s
     of a command that only composes a config (a refusal of bad input among them).

@@ -148,3 +148,30 @@ def test_under_verls_launcher_the_trainer_refuses_two_forwarders_for_a_single_fo
         RemotePPOTrainer(config)
     assert faulty_calls(calls) == ["destroy"]
     assert live_actors() == []
+
+
+def test_once_the_driver_destroys_the_backend_the_loop_makes_no_further_call_to_it(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """Ctrl-C or SIGTERM on the driver destroys the backend from the TaskRunner's second thread while its loop may be
+    mid-step: the loop's next sync, save, validation or step stops there instead of calling a destroyed backend."""
+    from verl_remote.compose import compose_config
+    from verl_remote.train import resolve_demo_assets
+    from verl_remote.trainer import RemotePPOTrainer, RunStopped
+
+    calls = tmp_path / "calls.txt"
+    config = compose_config(["remote_backend=faulty", f"remote_backend.calls_log={calls}"])
+    resolve_demo_assets(config)
+    trainer = RemotePPOTrainer(config)
+    trainer.destroy_backend()
+    for call in (
+        trainer.on_step_end,
+        trainer._save_checkpoint,
+        trainer._validate,
+        lambda: trainer._step_once({}, {}, 1),
+    ):
+        with pytest.raises(RunStopped, match=r"^the run is stopping: backend 'faulty' is destroyed$"):
+            call()
+    trainer.destroy_backend()  # the loop's own `finally`: once is enough
+    assert faulty_calls(calls) == ["destroy"]
+    assert live_actors() == []

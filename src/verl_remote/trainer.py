@@ -58,6 +58,7 @@ __all__ = [
     "RemotePPOTrainer",
     "RemoteTaskRunner",
     "RolloutError",
+    "RunStopped",
     "SingleForwarderError",
 ]
 
@@ -75,6 +76,11 @@ class RolloutError(RuntimeError):
 
 class SingleForwarderError(ValueError):
     """The backend needs one forwarder but the layout asks for more."""
+
+
+class RunStopped(RuntimeError):
+    """The run is stopping (Ctrl-C or SIGTERM on the driver) and its backend is destroyed: the loop, still
+    running in the TaskRunner's other thread, makes no further call to the backend."""
 
 
 class CPUResourcePoolManager(ResourcePoolManager):
@@ -174,6 +180,7 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _save_checkpoint(self) -> None:
         """verl's save, then the completion record that makes it count (:mod:`verl_remote.checkpoints`)."""
+        self._stop_if_destroyed()
         super()._save_checkpoint()
         folder = os.path.join(str(self.config.trainer.default_local_dir), f"global_step_{self.global_steps}")
         if os.path.isdir(folder):
@@ -201,7 +208,14 @@ class RemotePPOTrainer(PPOTrainerSync):
         more = f" (and {len(failures) - 1} more failed requests)" if len(failures) > 1 else ""
         raise RolloutError(f"sampling failed {what}: {failures[0]}{more}") from cause
 
+    def _stop_if_destroyed(self) -> None:
+        """Refuse to go on once the backend is destroyed: the driver destroys it from the TaskRunner's second
+        thread while this loop may be mid-step, and nothing may reach a destroyed backend (a sync, a save)."""
+        if self._destroyed:
+            raise RunStopped(f"the run is stopping: backend '{self.backend_name}' is destroyed")
+
     def _step_once(self, metrics: dict[str, Any], timing_raw: dict[str, Any], sample_batch_size: int) -> Any:
+        self._stop_if_destroyed()
         try:
             return super()._step_once(metrics, timing_raw, sample_batch_size)
         except RolloutError:
@@ -215,6 +229,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         super().on_sample_end()
 
     def _validate(self) -> Any:
+        self._stop_if_destroyed()
         try:
             result = super()._validate()
         except Exception as exc:
@@ -241,6 +256,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         self._publish_weights_version()
 
     def on_step_end(self, **kwargs: Any) -> None:
+        self._stop_if_destroyed()  # the weight sync
         super().on_step_end(**kwargs)
         self._publish_weights_version()
 

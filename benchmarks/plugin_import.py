@@ -36,7 +36,7 @@ from importlib.metadata import entry_points
 start = time.perf_counter()
 ep.load()
 elapsed = time.perf_counter() - start
-import verl_remote.verl_plugin as plugin
+import verl_remote.integration.verl_plugin as plugin
 assert plugin.is_registered()
 print(json.dumps(elapsed))
 """
@@ -46,7 +46,7 @@ import json, sys, time
 start = time.perf_counter()
 import verl
 elapsed = time.perf_counter() - start
-print(json.dumps([elapsed, "verl_remote.verl_plugin" in sys.modules]))
+print(json.dumps([elapsed, "verl_remote.integration.verl_plugin" in sys.modules]))
 """
 
 
@@ -66,7 +66,7 @@ def main() -> int:
     for i in range(args.runs):
         direct_ms.append(1000 * float(_run(DIRECT, "none")))  # type: ignore[arg-type]
         elapsed, loaded = _run(END_TO_END, "verl_remote")  # type: ignore[misc]
-        assert loaded, "verl did not load verl_remote.verl_plugin"
+        assert loaded, "verl did not load verl_remote.integration.verl_plugin"
         with_ms.append(1000 * elapsed)
         elapsed, loaded = _run(END_TO_END, "no_plugin_by_this_name")  # type: ignore[misc]
         assert not loaded

@@ -3,7 +3,7 @@
 The forwarder's data path for one training step is measured piece by piece on
 verl-shaped batches (jagged TensorDicts of prompt+response sequences):
 
-- pack: verl's TensorDict fields -> numpy payload (``verl_remote.payload``), for
+- pack: verl's TensorDict fields -> numpy payload (``verl_remote.kit.payload``), for
   compute_log_prob and for update_actor;
 - transfer: the payload to a Ray actor and back (the object store path the
   local backend uses), with an actor method that does no work;
@@ -91,7 +91,7 @@ def measure(engine: Any, sink: Any, batch: Any, repeat: int) -> tuple[Any, ...]:
     from verl.utils import tensordict_utils as tu
 
     from verl_remote.backends.local.worker import TRAIN_FIELDS
-    from verl_remote.payload import pack, pack_fields, unpack_like
+    from verl_remote.kit.payload import pack, pack_fields, unpack_like
 
     sequences = len(batch)
     tokens = int(batch["input_ids"].offsets()[-1])
@@ -135,8 +135,8 @@ def main() -> int:
     from omegaconf import OmegaConf
 
     from verl_remote.backends.local.engine import LocalEngine
-    from verl_remote.compose import compose_config
     from verl_remote.demo.assets import ensure_demo_assets
+    from verl_remote.discovery.compose import compose_config
 
     model_path = args.model or str(ensure_demo_assets().model_path)
     config = compose_config([f"actor_rollout_ref.model.path={model_path}"])

@@ -142,7 +142,7 @@ def cli_main(
     process of its own (:func:`train`)."""
     import ray
 
-    from verl_remote import cli as verl_remote_cli
+    from verl_remote.cli import main as verl_remote_cli
 
     monkeypatch.chdir(tmp_path)
 
@@ -468,13 +468,14 @@ def arctic_jobs(url: str) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def tinker_server() -> Iterator[Any]:
-    """SkyRL's real Tinker-API server (``verl_remote_tinker.local_server.LocalServer``), one for the test module (so
-    that it does not idle on a worker once the module is done); a test may stop it (``stop`` is idempotent).
+    """SkyRL's real Tinker-API server (``verl_remote_tinker.testing.local_server.LocalServer``), one for the test
+    module (so that it does not idle on a worker once the module is done); a test may stop it (``stop`` is
+    idempotent).
 
     Its Python 3.12 environment is built on first use (minutes; then cached under
     ``~/.cache/verl-remote/tinker-server``); it serves verl-remote's demo model, which the runs also load.
     """
-    from verl_remote_tinker.local_server import start_local_server
+    from verl_remote_tinker.testing.local_server import start_local_server
 
     with start_local_server() as server:
         yield server

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from verl_remote import RemoteBackend, load_backend_class
+from verl_remote import RemoteBackend
+from verl_remote.discovery.registry import load_backend_class
 
 
 def _complete_backend(**overrides: Any) -> type[RemoteBackend]:
@@ -102,3 +103,19 @@ def test_echo_backend_lifecycle_through_a_handle(tmp_path: Path) -> None:
 
     asyncio.run(lifecycle())
     assert worker.state()["destroyed"] is True  # type: ignore[attr-defined]
+
+
+def test_one_line_is_type_and_message_folded_the_innermost_cause_of_a_ray_error_and_a_tracebacks_last_line() -> None:
+    from verl_remote import one_line
+
+    assert one_line(ValueError("bad\n  value   here")) == "ValueError: bad value here"
+    assert one_line(TimeoutError()) == "TimeoutError"
+
+    class TaskError(RuntimeError):  # Ray's RayTaskError: the remote exception in `cause`
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("Traceback (most recent call last):\n  File ...\nsomething else")
+            self.cause = cause
+
+    assert one_line(TaskError(KeyError("job 3"))) == "KeyError: 'job 3'"
+    traceback = 'ray::Engine.step()\nTraceback (most recent call last):\n  File "x.py", line 1\nOSError: disk full'
+    assert one_line(RuntimeError(traceback)) == "RuntimeError: OSError: disk full"

@@ -58,7 +58,7 @@ def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones(cli_main:
     ("defect", "failing", "fix"),
     [
         ("shifted_log_probs", "log_prob_layout", "these are shifted 1 position(s) early"),
-        ("ignore_max_tokens", "sampler", "stop at max_tokens"),
+        ("greedy_ignored", "sampler", "temperature 0 (verl's validation default) means greedy decoding"),
         ("load_nothing", "checkpoint", "restore the weights"),
     ],
 )
@@ -94,13 +94,13 @@ def test_a_backend_without_verl_remotes_bases_fails_the_contract_check_and_the_c
 
     The command runs in this process, on the module's Ray instance; its watchdog, which ends every process this
     one started when it exits, is left out here (it would end the module's Ray too)."""
-    monkeypatch.setattr("verl_remote.watchdog.start_watchdog", lambda: os.open(os.devnull, os.O_RDONLY))
+    monkeypatch.setattr("verl_remote.integration.watchdog.start_watchdog", lambda: os.open(os.devnull, os.O_RDONLY))
     code, out, _err = cli_main("check", "echo")
     assert code == 1, out
     assert live_actors() == []
     marks = _marks(out)
     assert marks["spec"] == "ok" and marks["contract"] == "FAIL"
-    assert "EchoWorker'> is not a subclass of verl_remote.worker.RemoteForwarderWorker" in out
+    assert "EchoWorker'> is not a subclass of verl_remote.integration.worker.RemoteForwarderWorker" in out
     assert marks["destroy"] == "skip"  # no backend was made
     assert out.splitlines()[-1] == f"check echo: 1 passed, 1 failed, {len(CHECK_NAMES) - 2} not run"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from verl_remote.checkpoints import TRACKER, check, complete_steps, resume_target, seal
+from verl_remote.integration.checkpoints import TRACKER, check, complete_steps, resume_target, seal
 
 pytestmark = pytest.mark.faults
 
@@ -59,7 +59,7 @@ def test_a_damaged_only_checkpoint_is_refused_and_old_folders_are_trusted(tmp_pa
 
 def test_a_run_refused_in_a_held_folder_leaves_its_checkpoints_as_they_were(tmp_path: Path, cli_main: Any) -> None:
     """The preflight only looks: the tracker is moved by the run that holds the folder, never by a second one."""
-    from verl_remote.train import hold_run_folder
+    from verl_remote.cli.run import hold_run_folder
 
     folder = tmp_path / "ckpt"
     _save(folder, 2)

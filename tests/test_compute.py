@@ -1,4 +1,4 @@
-"""verl_remote.compute: the layout helpers against verl's own slicing, and verl's actor loss by hand."""
+"""verl_remote.kit.compute: the layout helpers against verl's own slicing, and verl's actor loss by hand."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-from verl_remote.compose import compose_config
-from verl_remote.compute import actor_loss, response_index, response_values
+from verl_remote.discovery.compose import compose_config
+from verl_remote.kit.compute import actor_loss, response_index, response_values
 
 
 def _jagged(rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -153,7 +153,7 @@ def test_actor_loss_names_what_the_mini_batch_lacks() -> None:
 
 
 def test_a_backend_that_reports_its_flops_gets_mfu_from_them() -> None:
-    from verl_remote.worker import RemoteForwarderWorker
+    from verl_remote.integration.worker import RemoteForwarderWorker
 
     class Worker(RemoteForwarderWorker):
         def backend_device_name(self) -> str:

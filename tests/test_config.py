@@ -10,7 +10,7 @@ import yaml
 
 from conftest import ROOT
 from verl_remote import BackendNotFoundError, DuplicateBackendError
-from verl_remote.compose import ConfigError, compose_config
+from verl_remote.discovery.compose import ConfigError, compose_config
 
 
 def test_defaults_are_verls_ppo_trainer_with_the_local_backend_and_the_demo() -> None:
@@ -134,20 +134,20 @@ def test_a_group_file_must_name_its_backend(tmp_path: Path) -> None:
     ],
 )
 def test_settings_print_as_hydra_override_words(value: object, word: str) -> None:
-    from verl_remote.compose import _override_value
+    from verl_remote.discovery.compose import _override_value
 
     assert _override_value(value, "k") == word
 
 
 def test_a_value_with_spaces_cannot_be_one_override_word() -> None:
-    from verl_remote.compose import _override_value
+    from verl_remote.discovery.compose import _override_value
 
     with pytest.raises(ConfigError, match="k='a b': a value with spaces cannot be printed as one override word"):
         _override_value("a b", "k")
 
 
 def test_the_paths_every_cluster_node_must_see_are_the_local_ones_verl_opens(tmp_path: Path) -> None:
-    from verl_remote.cluster import SharedPath, shared_paths
+    from verl_remote.integration.cluster import SharedPath, shared_paths
 
     model = tmp_path / "model"
     model.mkdir()

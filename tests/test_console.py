@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from verl_remote.console import Console, duration, is_error, shown, step_fields, step_line, step_metrics
+from verl_remote.cli.console import Console, duration, is_error, shown, step_fields, step_line, step_metrics
 
 RAY = "\x1b[36m(RemoteTaskRunner pid=11066)\x1b[0m "
 # verl's metrics line of a demo step (95 fields in all; a few of each kind kept, numpy's reprs among them).
@@ -221,7 +221,7 @@ def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_die
     and what it says is no help. The run's steps came through the console; Ray's own line says what died."""
     import ray.exceptions
 
-    from verl_remote import train
+    from verl_remote.cli import run as train
 
     def run(config: Any) -> train.RunSummary:
         for step in (1, 2):

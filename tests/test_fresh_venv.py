@@ -220,7 +220,10 @@ def test_third_party_wheels_are_found_by_name_everywhere(
     assert code == 0, stdout + stderr
     assert re.fullmatch(r"doctor: \d+ checks passed, 0 failed", stdout.splitlines()[-1]), stdout
     # In a Ray worker: verl loaded verl-remote's plugin, and each backend resolves by name from its wheel.
-    assert "[ok  ] Ray worker: verl loads the verl-remote plugin: verl loaded verl_remote.verl_plugin" in stdout
+    assert (
+        "[ok  ] Ray worker: verl loads the verl-remote plugin: verl loaded verl_remote.integration.verl_plugin"
+        in stdout
+    )
     assert "[ok  ] Ray worker: backend arctic (verl-arctic 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend tinker (verl-remote-tinker 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend echo (verl-remote-echo-backend 0.1.0) loads" in stdout

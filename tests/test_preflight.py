@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from conftest import free_port, last_line, python
-from verl_remote.compose import compose_config
-from verl_remote.preflight import (
+from verl_remote.cli.preflight import (
     RANGES,
     PreflightError,
     check_model,
@@ -22,7 +21,8 @@ from verl_remote.preflight import (
     check_types,
     run_preflight,
 )
-from verl_remote.train import resolve_demo_assets
+from verl_remote.demo import resolve_demo_assets
+from verl_remote.discovery.compose import compose_config
 
 pytestmark = pytest.mark.faults
 
@@ -165,7 +165,7 @@ def test_a_refused_run_makes_nothing(tmp_path: Path, cli_main: Any, monkeypatch:
 def test_a_folder_another_run_holds_is_refused_before_anything_is_prepared(
     tmp_path: Path, cli_main: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from verl_remote.train import hold_run_folder
+    from verl_remote.cli.run import hold_run_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tmp_path / "run"
@@ -181,7 +181,7 @@ def test_a_type_or_range_refusal_and_the_composed_config_import_neither_verl_nor
     (benchmarks/refusal.py measures the whole refusal)."""
     code = (
         "import sys\n"
-        "from verl_remote import cli\n"
+        "from verl_remote.cli import main as cli\n"
         "assert cli.main(['train', 'actor_rollout_ref.rollout.n=0']) == 2\n"
         "assert cli.main(['train', 'trainer.total_training_steps=abc', 'remote_backend=echo']) == 2\n"
         "assert cli.main(['config', 'remote_backend=arctic']) == 0\n"

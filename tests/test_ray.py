@@ -14,7 +14,7 @@ import ray.cloudpickle
 from omegaconf import OmegaConf
 
 from conftest import faulty_calls, live_actors
-from verl_remote import load_backend_class
+from verl_remote.discovery.registry import load_backend_class
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -25,8 +25,8 @@ def _in_worker() -> dict[str, Any]:
 
     import verl  # noqa: F401  (what every verl worker process does first)
 
-    plugin = sys.modules.get("verl_remote.verl_plugin")
-    from verl_remote import load_backend_class, load_rollout_class, load_worker_class
+    plugin = sys.modules.get("verl_remote.integration.verl_plugin")
+    from verl_remote.discovery.registry import load_backend_class, load_rollout_class, load_worker_class
 
     return {
         "pid": os.getpid(),
@@ -39,7 +39,7 @@ def _in_worker() -> dict[str, Any]:
 
 
 def _reattach_and_sync(config: Any, handle: dict[str, Any]) -> int:
-    from verl_remote import load_worker_class
+    from verl_remote.discovery.registry import load_worker_class
 
     worker = load_worker_class("echo")(config, handle)
     asyncio.run(worker.backend.update_weights())
@@ -47,7 +47,7 @@ def _reattach_and_sync(config: Any, handle: dict[str, Any]) -> int:
 
 
 def _load_broken() -> None:
-    from verl_remote import load_backend_class
+    from verl_remote.discovery.registry import load_backend_class
 
     load_backend_class("broken")
 
@@ -96,7 +96,7 @@ class _Counter:
 def _add_through_handle(handle: dict[str, Any]) -> tuple[int, int]:
     import os
 
-    from verl_remote.service import RayService
+    from verl_remote.kit.service import RayService
 
     return os.getpid(), ray.get(RayService.from_handle(handle).actor().add.remote(1))
 
@@ -104,7 +104,7 @@ def _add_through_handle(handle: dict[str, Any]) -> tuple[int, int]:
 def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(ray_cluster: Any) -> None:
     import os
 
-    from verl_remote.service import RayService, ServiceStartError, resources
+    from verl_remote.kit.service import RayService, ServiceStartError, resources
 
     service = RayService.start(_Counter, 10, prefix="counter", num_cpus=0)
     assert service.name.startswith("counter_") and service.namespace == ray_cluster.get_runtime_context().namespace
@@ -133,9 +133,9 @@ def test_under_verls_launcher_the_trainer_refuses_two_forwarders_for_a_single_fo
 ) -> None:
     """`verl-remote train` refuses this layout before Ray starts (tests/test_train.py); verl's own launcher has no
     such check, so the trainer refuses it before the first step, and destroys the backend it made."""
-    from verl_remote.compose import compose_config
-    from verl_remote.train import resolve_demo_assets
-    from verl_remote.trainer import RemotePPOTrainer, SingleForwarderError
+    from verl_remote.demo import resolve_demo_assets
+    from verl_remote.discovery.compose import compose_config
+    from verl_remote.integration.trainer import RemotePPOTrainer, SingleForwarderError
 
     calls = tmp_path / "calls.txt"
     config = compose_config(["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.n_gpus_per_node=2"])
@@ -155,9 +155,9 @@ def test_once_the_driver_destroys_the_backend_the_loop_makes_no_further_call_to_
 ) -> None:
     """Ctrl-C or SIGTERM on the driver destroys the backend from the TaskRunner's second thread while its loop may be
     mid-step: the loop's next sync, save, validation or step stops there instead of calling a destroyed backend."""
-    from verl_remote.compose import compose_config
-    from verl_remote.train import resolve_demo_assets
-    from verl_remote.trainer import RemotePPOTrainer, RunStopped
+    from verl_remote.demo import resolve_demo_assets
+    from verl_remote.discovery.compose import compose_config
+    from verl_remote.integration.trainer import RemotePPOTrainer, RunStopped
 
     calls = tmp_path / "calls.txt"
     config = compose_config(["remote_backend=faulty", f"remote_backend.calls_log={calls}"])

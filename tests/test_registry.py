@@ -7,10 +7,8 @@ import json
 import pytest
 
 from conftest import python
-from verl_remote import (
-    BackendImportError,
-    BackendNotFoundError,
-    DuplicateBackendError,
+from verl_remote import BackendImportError, BackendNotFoundError, DuplicateBackendError
+from verl_remote.discovery.registry import (
     available_backends,
     get_backend_spec,
     load_backend_class,
@@ -51,12 +49,12 @@ def test_discovery_and_specs_import_nothing_heavy() -> None:
     """Listing imports no backend code; loading a spec imports only the spec's module."""
     out = python(
         "import json, sys\n"
-        "import verl_remote\n"
+        "import verl_remote.discovery.registry\n"
         "heavy = ['verl', 'torch', 'ray', 'hydra', 'omegaconf']\n"
         "after_import = [m for m in heavy if m in sys.modules]\n"
-        "verl_remote.available_backends()\n"
+        "verl_remote.discovery.registry.available_backends()\n"
         "after_list = 'verl_remote_echo_backend' in sys.modules\n"
-        "verl_remote.get_backend_spec('echo')\n"
+        "verl_remote.discovery.registry.get_backend_spec('echo')\n"
         "after_spec = sorted(m for m in sys.modules if m.startswith('verl_remote_echo_backend'))\n"
         "print(json.dumps([after_import, after_list, after_spec]))\n"
     )
@@ -126,7 +124,7 @@ def test_a_class_that_cannot_be_imported_names_backend_distribution_and_role() -
 def test_a_backend_class_must_subclass_remote_backend() -> None:
     with pytest.raises(
         BackendImportError,
-        match="'verl_remote_broken_backend.classes:Worker' is not a subclass of verl_remote.backend.RemoteBackend",
+        match="'verl_remote_broken_backend.classes:Worker' is not a subclass of verl_remote.kit.backend.RemoteBackend",
     ):
         load_backend_class("notremote")
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from verl_remote import BackendSpec, SpecError
-from verl_remote.spec import import_string
+from verl_remote.kit.spec import import_string
 
 GOOD = dict(
     name="svc",
@@ -48,7 +48,7 @@ def test_malformed_specs_are_rejected_with_the_field_named(field: str, value: ob
 
 def test_import_string_resolves_nested_attributes() -> None:
     assert import_string("os.path:join") is __import__("os").path.join
-    assert import_string("verl_remote.spec:BackendSpec.search_path") is BackendSpec.search_path
+    assert import_string("verl_remote.kit.spec:BackendSpec.search_path") is BackendSpec.search_path
 
 
 def test_import_string_errors_name_the_target_and_chain_the_cause() -> None:

@@ -37,7 +37,7 @@ from conftest import (
     steps,
     train,
 )
-from verl_remote.watchdog import BOUND_S
+from verl_remote.integration.watchdog import BOUND_S
 
 pytestmark = pytest.mark.train
 

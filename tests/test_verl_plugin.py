@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import python
-from verl_remote import verl_plugin
+from verl_remote.integration import verl_plugin
 
 
 def test_import_verl_alone_loads_the_plugin_and_verls_registries_find_the_remote_trainer_and_replica() -> None:
@@ -19,11 +19,11 @@ def test_import_verl_alone_loads_the_plugin_and_verls_registries_find_the_remote
         "import json, sys\n"
         "assert 'verl_remote' not in sys.modules\n"
         "import verl\n"
-        "plugin = sys.modules.get('verl_remote.verl_plugin')\n"
+        "plugin = sys.modules.get('verl_remote.integration.verl_plugin')\n"
         "registered = plugin is not None and plugin.is_registered()\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "from verl.workers.rollout.replica import get_rollout_replica_class\n"
-        "lazy = 'verl_remote.trainer' not in sys.modules\n"
+        "lazy = 'verl_remote.integration.trainer' not in sys.modules\n"
         "trainer = get_trainer_cls('remote')\n"
         "replica = get_rollout_replica_class('verl_remote')\n"
         "print(json.dumps([registered, lazy, trainer.__module__ + '.' + trainer.__name__, replica.__name__,\n"
@@ -33,7 +33,7 @@ def test_import_verl_alone_loads_the_plugin_and_verls_registries_find_the_remote
     registered, lazy, trainer, replica, sync = json.loads(out.stdout.strip().splitlines()[-1])
     assert registered is True
     assert lazy is True  # verl-remote's trainer is imported when verl asks for it, not by the plugin
-    assert trainer == "verl_remote.trainer.RemotePPOTrainer"
+    assert trainer == "verl_remote.integration.trainer.RemotePPOTrainer"
     assert replica == "BackendRolloutReplica"
     assert sync == "PPOTrainerSync"
 
@@ -48,7 +48,7 @@ def test_verl_loads_nothing_when_plugins_are_disabled_and_doctor_says_why(
     monkeypatch: pytest.MonkeyPatch, cli_main: Any
 ) -> None:
     env = {"VERL_USE_EXTERNAL_PLUGINS": "none"}
-    out = python("import sys, verl; print('verl_remote.verl_plugin' in sys.modules)", env=env)
+    out = python("import sys, verl; print('verl_remote.integration.verl_plugin' in sys.modules)", env=env)
     assert out.stdout.strip().splitlines()[-1] == "False"
     # `verl-remote doctor` reads the same variable verl reads, and says what it does.
     monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")
@@ -56,7 +56,7 @@ def test_verl_loads_nothing_when_plugins_are_disabled_and_doctor_says_why(
     assert code == 1
     assert "[FAIL] verl loads the verl-remote plugin: VERL_USE_EXTERNAL_PLUGINS='none' stops verl" in stdout
     # An allowlist naming the plugin passes the same check (doctor's line for it: tests/test_cli.py).
-    from verl_remote.doctor import check_plugin
+    from verl_remote.cli.doctor import check_plugin
 
     monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "verl_remote")
     allowlisted = check_plugin()

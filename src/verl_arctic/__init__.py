@@ -8,7 +8,7 @@ heavy. docs/arctic-backend.md is the user's page; docs/arctic-protocol.md the
 protocol's.
 """
 
-from verl_remote.spec import BackendSpec
+from verl_remote import BackendSpec
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ import httpx
 from omegaconf import OmegaConf
 
 from verl_arctic.client import ArcticClient, ArcticError, describe_answer, probe_generation
-from verl_remote.backend import RemoteBackend
+from verl_remote import RemoteBackend, resumes_from_checkpoint
 
 __all__ = ["ArcticBackend", "as_dict", "job_configs"]
 
@@ -495,16 +495,6 @@ def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[by
         time.sleep(0.5)
 
 
-def _resumes(main_config: Any) -> bool:
-    """Whether verl will load a checkpoint: resume_mode=resume_path, or auto with a checkpoint in the folder."""
-    from verl_remote.checkpoints import TRACKER
-
-    trainer = main_config.trainer
-    mode = str(trainer.get("resume_mode", "auto"))
-    folder = str(trainer.default_local_dir)
-    return mode == "resume_path" or (mode == "auto" and os.path.isfile(os.path.join(folder, TRACKER)))
-
-
 class ArcticBackend(RemoteBackend):
     """Jobs on one Arctic server; every process holds its own HTTP client to it."""
 
@@ -648,7 +638,7 @@ class ArcticBackend(RemoteBackend):
                 f"remote_backend.comms.api={api}, but the Arctic server at {url} speaks protocol {generation}; "
                 f"set remote_backend.comms.api={generation} (or auto)"
             )
-        if generation != "main" and _resumes(main_config):
+        if generation != "main" and resumes_from_checkpoint(main_config):
             raise ValueError(
                 f"Arctic protocol {generation} at {url} has no load-checkpoint call, so a run cannot resume on it "
                 f"(trainer.default_local_dir={main_config.trainer.default_local_dir} holds a checkpoint); resume "

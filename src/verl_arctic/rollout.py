@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from verl_arctic.backend import ArcticBackend
-from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer, SampleResult
+from verl_remote import RemoteRolloutReplica, RemoteRolloutServer, SampleResult, SamplingParams
 
 __all__ = ["ArcticRolloutReplica", "ArcticRolloutServer"]
 
@@ -39,27 +39,22 @@ def sampled_log_probs(result: dict[str, Any], tokens: list[int], url: str) -> li
 class ArcticRolloutServer(RemoteRolloutServer):
     backend: ArcticBackend
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
-        # Arctic's /generate takes text: the prompt goes back through the tokenizer, special tokens kept.
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        # Arctic's /generate takes text: the prompt goes back through the tokenizer, special tokens kept. Arctic
+        # stops at the model's EOS itself; the base server cuts after any other stop id.
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        want_logprobs = bool(sampling_params.get("logprobs"))
-        top_k = int(sampling_params.get("top_k", -1))
-        params = {
-            "temperature": float(sampling_params.get("temperature", 1.0)),
-            "top_p": float(sampling_params.get("top_p", 1.0)),
-            "top_k": top_k if top_k > 0 else 0,
-            "repetition_penalty": float(sampling_params.get("repetition_penalty", 1.0)),
-            "max_tokens": max_tokens,
-            "logprobs": 0 if want_logprobs else None,
+        body = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else 0,
+            "repetition_penalty": params.repetition_penalty,
+            "max_tokens": params.max_tokens,
+            "logprobs": 0 if params.logprobs else None,
         }
-        result = await self.backend.generate(prompt, params)
+        result = await self.backend.generate(prompt, body)
         tokens = [int(t) for t in result["token_ids"]]
-        log_probs = sampled_log_probs(result, tokens, self.backend.client.url) if want_logprobs else None
+        log_probs = sampled_log_probs(result, tokens, self.backend.client.url) if params.logprobs else None
         stop = "aborted" if result.get("finish_reason") == "abort" else "completed"
-        # Arctic stops at the model's EOS itself; any other stop id of the contract is applied here.
-        end = next((i + 1 for i, token in enumerate(tokens) if token in self.stop_token_ids), len(tokens))
-        if end < len(tokens):
-            tokens, log_probs, stop = tokens[:end], None if log_probs is None else log_probs[:end], "completed"
         return SampleResult(tokens, log_probs, stop)
 
     async def sleep(self) -> None:

@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_arctic.backend import ArcticBackend, as_dict
-from verl_remote.worker import RemoteForwarderWorker
+from verl_remote import RemoteForwarderWorker
 
 __all__ = ["ArcticRLActorRolloutRefWorker", "from_dense", "to_dense"]
 

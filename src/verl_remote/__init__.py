@@ -1,10 +1,19 @@
 """verl-remote: run verl's RL loop against a training and sampling service of your own.
 
-The public API is importable from here. Names are loaded on first use (PEP 562),
-because verl imports ``verl_remote.verl_plugin`` in every process at the end of
-``import verl``, and that import must stay cheap: importing this package itself
-costs almost nothing. See ``docs/backend-author-guide.md`` for how to publish a
-backend.
+This module is the backend author's kit: every name a backend distribution needs is importable from here,
+and these names are the stable API (docs/backend-author-guide.md, "What is stable"). The module paths behind
+them are not. Finding installed backends is :mod:`verl_remote.discovery.registry`; checking one is
+:mod:`verl_remote.testing`.
+
+The tree has four rooms, each importing only the rooms below it (``nox -s lint`` enforces it):
+
+- ``cli``: the ``verl-remote`` command and the driver of a run;
+- ``integration``: the seams into verl (plugin, trainer, forwarder workers, rollout replica);
+- ``discovery``: backends, config groups and the composed config, found in any process;
+- ``kit``: the contract and helpers authors use, free of verl.
+
+Names load on first use (PEP 562): verl imports ``verl_remote.integration.verl_plugin`` in every process at the
+end of ``import verl``, which imports this package, and that must stay cheap.
 """
 
 from __future__ import annotations
@@ -14,55 +23,89 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> the module that defines it
 _EXPORTS = {
-    "RemoteBackend": "verl_remote.backend",
-    "BackendSpec": "verl_remote.spec",
-    "SpecError": "verl_remote.spec",
-    "BackendError": "verl_remote.errors",
-    "BackendImportError": "verl_remote.errors",
-    "BackendNotFoundError": "verl_remote.errors",
-    "DuplicateBackendError": "verl_remote.errors",
-    "ENTRY_POINT_GROUP": "verl_remote.registry",
-    "InstalledBackend": "verl_remote.registry",
-    "available_backends": "verl_remote.registry",
-    "get_backend_spec": "verl_remote.registry",
-    "load_backend_class": "verl_remote.registry",
-    "load_rollout_class": "verl_remote.registry",
-    "load_worker_class": "verl_remote.registry",
+    # the contract
+    "RemoteBackend": "verl_remote.kit.backend",
+    "BackendSpec": "verl_remote.kit.spec",
+    "SpecError": "verl_remote.kit.spec",
+    # the classes verl runs, to subclass (they import verl)
+    "RemoteForwarderWorker": "verl_remote.integration.worker",
+    "RemoteRolloutReplica": "verl_remote.integration.rollout",
+    "RemoteRolloutServer": "verl_remote.integration.rollout",
+    "SampleResult": "verl_remote.integration.rollout",
+    "SamplingParams": "verl_remote.integration.rollout",
+    # the run around the backend
+    "resumes_from_checkpoint": "verl_remote.integration.checkpoints",
+    # tensors on the wire
+    "Packed": "verl_remote.kit.payload",
+    "pack": "verl_remote.kit.payload",
+    "pack_fields": "verl_remote.kit.payload",
+    "to_nested": "verl_remote.kit.payload",
+    "unpack_like": "verl_remote.kit.payload",
+    # verl's computations, where the model lives
+    "actor_loss": "verl_remote.kit.compute",
+    "response_index": "verl_remote.kit.compute",
+    "response_values": "verl_remote.kit.compute",
+    "sample_token": "verl_remote.kit.compute",
+    # a Ray actor as the service
+    "RayService": "verl_remote.kit.service",
+    "ServiceStartError": "verl_remote.kit.service",
+    "resources": "verl_remote.kit.service",
+    # errors
+    "BackendError": "verl_remote.kit.errors",
+    "BackendImportError": "verl_remote.kit.errors",
+    "BackendNotFoundError": "verl_remote.kit.errors",
+    "DuplicateBackendError": "verl_remote.kit.errors",
+    "one_line": "verl_remote.kit.errors",
 }
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
+__all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "BackendError",
     "BackendImportError",
     "BackendNotFoundError",
     "BackendSpec",
     "DuplicateBackendError",
-    "InstalledBackend",
+    "Packed",
+    "RayService",
     "RemoteBackend",
+    "RemoteForwarderWorker",
+    "RemoteRolloutReplica",
+    "RemoteRolloutServer",
+    "SampleResult",
+    "SamplingParams",
+    "ServiceStartError",
     "SpecError",
     "__version__",
-    "available_backends",
-    "get_backend_spec",
-    "load_backend_class",
-    "load_rollout_class",
-    "load_worker_class",
+    "actor_loss",
+    "one_line",
+    "pack",
+    "pack_fields",
+    "resources",
+    "response_index",
+    "response_values",
+    "resumes_from_checkpoint",
+    "sample_token",
+    "to_nested",
+    "unpack_like",
 ]
 
 if TYPE_CHECKING:
-    from verl_remote.backend import RemoteBackend
-    from verl_remote.errors import BackendError, BackendImportError, BackendNotFoundError, DuplicateBackendError
-    from verl_remote.registry import (
-        ENTRY_POINT_GROUP,
-        InstalledBackend,
-        available_backends,
-        get_backend_spec,
-        load_backend_class,
-        load_rollout_class,
-        load_worker_class,
+    from verl_remote.integration.checkpoints import resumes_from_checkpoint
+    from verl_remote.integration.rollout import RemoteRolloutReplica, RemoteRolloutServer, SampleResult, SamplingParams
+    from verl_remote.integration.worker import RemoteForwarderWorker
+    from verl_remote.kit.backend import RemoteBackend
+    from verl_remote.kit.compute import actor_loss, response_index, response_values, sample_token
+    from verl_remote.kit.errors import (
+        BackendError,
+        BackendImportError,
+        BackendNotFoundError,
+        DuplicateBackendError,
+        one_line,
     )
-    from verl_remote.spec import BackendSpec, SpecError
+    from verl_remote.kit.payload import Packed, pack, pack_fields, to_nested, unpack_like
+    from verl_remote.kit.service import RayService, ServiceStartError, resources
+    from verl_remote.kit.spec import BackendSpec, SpecError
 
 
 def __getattr__(name: str) -> Any:

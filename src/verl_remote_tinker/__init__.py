@@ -6,7 +6,7 @@ This module holds only the spec, so that finding the backend imports nothing hea
 is the user's page: the mapping of verl's calls onto the Tinker API, every key, what was tested.
 """
 
-from verl_remote.spec import BackendSpec
+from verl_remote import BackendSpec
 
 __version__ = "0.1.0"
 

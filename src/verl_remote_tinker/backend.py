@@ -18,8 +18,7 @@ from typing import Any
 import httpx
 from omegaconf import OmegaConf
 
-from verl_remote.backend import RemoteBackend
-from verl_remote.service import RayService, ServiceStartError, resources
+from verl_remote import RayService, RemoteBackend, ServiceStartError, one_line, resources
 
 __all__ = ["TinkerBackend", "check_objective", "loss_reduction"]
 
@@ -243,7 +242,7 @@ def _healthy(settings: dict[str, Any]) -> None:
         response = httpx.get(f"{url}/api/v1/healthz", timeout=timeout)
     except httpx.HTTPError as exc:
         raise ValueError(
-            f"remote_backend.base_url={url}: nothing answers there ({type(exc).__name__}: {exc}); start the service "
+            f"remote_backend.base_url={url}: nothing answers there ({one_line(exc)}); start the service "
             "(python -m verl_remote_tinker.local_server --port N for a local one) or set remote_backend.base_url to "
             "where it runs"
         ) from exc

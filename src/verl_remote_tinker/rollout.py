@@ -9,9 +9,9 @@ sampled tokens' log-probs come back with them. Tinker's stop reasons "stop" and 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer, SampleResult
+from verl_remote import RemoteRolloutReplica, RemoteRolloutServer, SampleResult, SamplingParams
 from verl_remote_tinker.backend import TinkerBackend
 
 __all__ = ["TinkerRolloutReplica", "TinkerRolloutServer"]
@@ -20,24 +20,16 @@ __all__ = ["TinkerRolloutReplica", "TinkerRolloutServer"]
 class TinkerRolloutServer(RemoteRolloutServer):
     backend: TinkerBackend
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
-        params = {
-            "temperature": float(sampling_params.get("temperature", 1.0)),
-            "top_p": float(sampling_params.get("top_p", 1.0)),
-            "top_k": int(sampling_params.get("top_k", -1)),
-            "stop": list(self.stop_token_ids),
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        # A service may run on past a stop id it was not told of: the base server cuts after the first.
+        tinker_params = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop": list(params.stop_token_ids),
         }
-        result = await self.backend.sample(prompt_ids, max_tokens, params)
-        tokens = list(result["tokens"])
-        logprobs = result["logprobs"]
-        # The contract: end after the first stop id emitted (a service may run on past one it was not told of).
-        for index, token in enumerate(tokens):
-            if token in self.stop_token_ids:
-                tokens = tokens[: index + 1]
-                logprobs = None if logprobs is None else logprobs[: index + 1]
-                break
-        wanted = bool(sampling_params.get("logprobs", False))
-        return SampleResult(tokens, logprobs if wanted else None, "completed")
+        result = await self.backend.sample(prompt_ids, params.max_tokens, tinker_params)
+        return SampleResult(list(result["tokens"]), result["logprobs"], "completed")
 
 
 class TinkerRolloutReplica(RemoteRolloutReplica):

@@ -4,7 +4,7 @@ The Tinker API orders a training client's requests by a per-client sequence numb
 checkpoint only as its first request (a resumed run gets a new model); a sampling session belongs to the
 session that made it. So one process owns the session, the training client, the current sampler and the
 base model's sampler, and the forwarder and the rollout servers call it: :class:`TinkerSession`, started by
-:class:`~verl_remote_tinker.backend.TinkerBackend` as a :class:`~verl_remote.service.RayService`.
+:class:`~verl_remote_tinker.backend.TinkerBackend` as a :class:`~verl_remote.kit.service.RayService`.
 
 Futures are used as the API means them: ``submit_forward_backward`` returns once the request is queued,
 ``optim_step`` queues the step behind it and waits for both, the sampler's weights are saved right after.
@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from verl_remote import one_line
 
 __all__ = ["TinkerError", "TinkerSession", "adam_params", "lr_schedule"]
 
@@ -340,13 +342,12 @@ class TinkerSession:
                 "(remote_backend.timeout_s)"
             ) from None
         except tinker.APIStatusError as exc:
+            message = " ".join(str(exc.message).split())
             raise TinkerError(
-                f"Tinker call {what} ({self.settings['base_url']}): HTTP {exc.status_code}: {_one_line(exc.message)}"
+                f"Tinker call {what} ({self.settings['base_url']}): HTTP {exc.status_code}: {message}"
             ) from None
         except (tinker.TinkerError, ValueError, OSError) as exc:  # the SDK reports failed futures as ValueError
-            raise TinkerError(
-                f"Tinker call {what} ({self.settings['base_url']}): {type(exc).__name__}: {_one_line(str(exc))}"
-            ) from None
+            raise TinkerError(f"Tinker call {what} ({self.settings['base_url']}): {one_line(exc)}") from None
         finally:
             if timed:
                 self.wait_s += time.perf_counter() - start
@@ -365,10 +366,6 @@ async def _submitted(submission: Any) -> Any:
 def _frozen(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """Sampling parameters as a hashable key (lists become tuples)."""
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def adam_params(optim: dict[str, Any]) -> dict[str, float]:

@@ -13,7 +13,7 @@ import pytest
 
 from verl_arctic.backend import check_objective, job_configs, refusal_hint
 from verl_arctic.testing.engine import DeepSpeedRefusal, deepspeed_setup, reference_setup
-from verl_remote.compose import compose_config
+from verl_remote.discovery.compose import compose_config
 
 GENERATIONS = ["v0.1", "main"]
 

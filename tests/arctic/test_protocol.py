@@ -336,8 +336,8 @@ def test_a_resume_destroys_only_the_jobs_the_server_shows_are_its_dead_runs(
     jobs: the resume leaves them, says so, and cannot start beside them (one training job per server); the other
     run goes on. Without a restart, the record's jobs are the dead run's, and the resume destroys them."""
     from verl_arctic.backend import JOBS_FILE, ArcticBackend
-    from verl_remote.compose import compose_config
-    from verl_remote.train import resolve_demo_assets
+    from verl_remote.demo import resolve_demo_assets
+    from verl_remote.discovery.compose import compose_config
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -127,8 +127,8 @@ def test_our_test_server_answers_every_route_as_arctics_own_server(arctic: Arcti
 def _backend(folder: Path, *overrides: str) -> Any:
     """verl-arctic's backend as a run's driver makes it: the jobs created, recorded in ``folder``."""
     from verl_arctic.backend import ArcticBackend
-    from verl_remote.compose import compose_config
-    from verl_remote.train import resolve_demo_assets
+    from verl_remote.demo import resolve_demo_assets
+    from verl_remote.discovery.compose import compose_config
 
     config = compose_config([*overrides, f"trainer.default_local_dir={folder}"])
     resolve_demo_assets(config)

@@ -1,4 +1,5 @@
-"""verl_remote_tinker.local_server: SkyRL's Tinker-API server run locally, and stopped with everything it started.
+"""`python -m verl_remote_tinker.local_server` (verl_remote_tinker.testing.local_server): SkyRL's Tinker-API server
+run locally, and stopped with everything it started.
 
 The tests marked ``tinker`` start the real server (skyrl 0.4.0, JAX backend, on
 the CPU) on verl-remote's demo model. Its Python 3.12 environment is built on
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from verl_remote_tinker.local_server import STOP_GRACE, LocalServerError, find_python312, start_local_server
+from verl_remote_tinker.testing.local_server import STOP_GRACE, LocalServerError, find_python312, start_local_server
 
 
 def session_processes(sid: int) -> list[psutil.Process]:

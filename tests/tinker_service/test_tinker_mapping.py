@@ -13,8 +13,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from verl_remote.compose import compose_config
-from verl_remote.compute import actor_loss
+from verl_remote.discovery.compose import compose_config
+from verl_remote.kit.compute import actor_loss
 from verl_remote_tinker.backend import TinkerBackend, check_objective, loss_reduction
 from verl_remote_tinker.session import adam_params, lr_schedule
 from verl_remote_tinker.worker import linearised_datums

@@ -34,10 +34,10 @@ from conftest import (
     steps,
     train,
 )
-from verl_remote.compose import compose_config
-from verl_remote.compute import actor_loss
-from verl_remote_tinker.local_server import LocalServer
+from verl_remote.discovery.compose import compose_config
+from verl_remote.kit.compute import actor_loss
 from verl_remote_tinker.session import TinkerSession
+from verl_remote_tinker.testing.local_server import LocalServer
 from verl_remote_tinker.worker import linearised_datums
 
 pytestmark = [pytest.mark.tinker, pytest.mark.train]

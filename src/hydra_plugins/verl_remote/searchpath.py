@@ -22,7 +22,7 @@ class VerlRemoteSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         # Imported here so that Hydra's plugin scan does not pay for it in apps
         # that never build a search path.
-        from verl_remote.search_path import backend_search_paths
+        from verl_remote.discovery.search_path import backend_search_paths
 
         for provider, path in backend_search_paths():
             search_path.append(provider=provider, path=path)

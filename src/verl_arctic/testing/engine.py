@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from verl_arctic.testing.batching import combine_microbatch_metrics, merge_shards, split_rows
-from verl_remote.compute import sample_token
+from verl_remote import sample_token
 
 __all__ = ["DeepSpeedRefusal", "JobModel", "TrainingSetup", "deepspeed_setup", "reference_setup"]
 

@@ -34,7 +34,7 @@ def check_backend(
     """
     import ray
 
-    from verl_remote.compat import quiet_local_ray_auth
+    from verl_remote.discovery.compat import quiet_local_ray_auth
 
     started = not ray.is_initialized()
     if started:

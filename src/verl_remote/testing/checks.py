@@ -84,7 +84,7 @@ class _State:
 
 
 def _packed(rows: list[list[Any]], dtype: Any) -> Any:
-    from verl_remote.payload import Packed
+    from verl_remote.kit.payload import Packed
 
     offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
     values = np.array([v for r in rows for v in r], dtype=dtype)
@@ -92,8 +92,8 @@ def _packed(rows: list[list[Any]], dtype: Any) -> Any:
 
 
 def _responses_of(values: np.ndarray, rows: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
-    """Each row's response part of per-token values over whole rows (verl_remote.compute's alignment)."""
-    from verl_remote.compute import response_index
+    """Each row's response part of per-token values over whole rows (verl_remote.kit.compute's alignment)."""
+    from verl_remote.kit.compute import response_index
 
     picked = values[response_index([len(r) for r in rows], [len(r) for r in responses]).numpy()]
     return _split(picked, [len(r) for r in responses])
@@ -119,13 +119,18 @@ class Conformance:
 
     def check_spec(self) -> str:
         """spec and group file: the entry point, its classes, and remote_backend/<name>.yaml with its name."""
-        from verl_remote.registry import get_backend_spec, load_backend_class, load_rollout_class, load_worker_class
+        from verl_remote.discovery.registry import (
+            get_backend_spec,
+            load_backend_class,
+            load_rollout_class,
+            load_worker_class,
+        )
 
         spec = get_backend_spec(self.name)
         for load in (load_backend_class, load_worker_class, load_rollout_class):
             load(self.name)
-        from verl_remote.compose import compose_config
-        from verl_remote.train import resolve_demo_assets
+        from verl_remote.demo import resolve_demo_assets
+        from verl_remote.discovery.compose import compose_config
 
         # A KL term on, so that the reference path and the loss's KL term are checked too (overrides win).
         kl = "actor_rollout_ref.actor.use_kl_loss=true"
@@ -145,10 +150,10 @@ class Conformance:
 
     def check_contract(self) -> str:
         """contract: the backend, worker and replica subclass verl-remote's bases."""
-        from verl_remote.backend import RemoteBackend
-        from verl_remote.registry import load_backend_class, load_rollout_class, load_worker_class
-        from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer
-        from verl_remote.worker import RemoteForwarderWorker
+        from verl_remote.discovery.registry import load_backend_class, load_rollout_class, load_worker_class
+        from verl_remote.integration.rollout import RemoteRolloutReplica, RemoteRolloutServer
+        from verl_remote.integration.worker import RemoteForwarderWorker
+        from verl_remote.kit.backend import RemoteBackend
 
         pairs = [
             (load_backend_class(self.name), RemoteBackend),
@@ -166,7 +171,7 @@ class Conformance:
 
     def check_from_config(self) -> str:
         """from_config: the backend builds from the composed config (where verl's TaskRunner builds it)."""
-        from verl_remote.registry import load_backend_class
+        from verl_remote.discovery.registry import load_backend_class
 
         self._baseline = set(_children())  # what runs before the backend: not the backend's to stop
         self.state.backend = load_backend_class(self.name).from_config(self.state.config)
@@ -202,8 +207,8 @@ class Conformance:
         """worker re-attaches: the forwarder builds from the handle in a separate Ray worker process."""
         import ray
 
+        from verl_remote.integration.worker import attach_backend
         from verl_remote.testing.hosts import WorkerHost
-        from verl_remote.worker import attach_backend
 
         config = self.state.config
         attach_backend(config, self.name, self.state.backend.reconnect_handle())
@@ -273,7 +278,7 @@ class Conformance:
                 if where is not None
                 else "the values do not depend on the tokens they score"
             )
-            + " (verl_remote.compute describes the layout)",
+            + " (verl_remote.kit.compute describes the layout)",
         )
         last = {round(float(r[-1]), 4) for r in per_row}
         note = "" if last == {0.0} else f"; the last positions hold {sorted(last)[:3]}, which verl never reads"
@@ -513,9 +518,9 @@ class Conformance:
                 except CheckFailed as exc:
                     result = CheckResult(label, ok=False, detail=str(exc), hint=exc.hint)
                 except Exception as exc:
-                    from verl_remote.rollout import describe_failure
+                    from verl_remote.kit.errors import one_line
 
-                    result = CheckResult(label, ok=False, detail=describe_failure(_root(exc)))
+                    result = CheckResult(label, ok=False, detail=one_line(_root(exc)))
                 result.seconds = time.monotonic() - start
                 failed = failed or not result.ok
             results.append(result)
@@ -562,7 +567,7 @@ def _children() -> dict[int, str]:
     """This process's descendants: pid -> command line."""
     from pathlib import Path
 
-    from verl_remote.watchdog import descendants
+    from verl_remote.integration.watchdog import descendants
 
     found = {}
     for pid, _start in descendants({os.getpid()}):

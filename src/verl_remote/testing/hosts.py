@@ -2,7 +2,7 @@
 
 Each runs in its own Ray worker process and re-attaches to the backend through its reconnect handle, as in a
 training run; the checks call the four methods a backend author writes, without verl's trainer around them.
-Batches travel as :class:`~verl_remote.payload.Packed` arrays and come back the same way.
+Batches travel as :class:`~verl_remote.kit.payload.Packed` arrays and come back the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_remote.payload import Packed, pack, to_nested
+from verl_remote.kit.payload import Packed, pack, to_nested
 
 __all__ = ["ServerHost", "WorkerHost"]
 
@@ -35,7 +35,7 @@ class WorkerHost:
         for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(master_port))
-        from verl_remote.registry import load_worker_class
+        from verl_remote.discovery.registry import load_worker_class
 
         self.worker = load_worker_class(backend_name)(worker_config, "actor_rollout")
 
@@ -68,7 +68,7 @@ class ServerHost:
     """The backend's rollout server, as verl's replica builds it."""
 
     def __init__(self, backend_name: str, rollout_config: Any, model_config: Any) -> None:
-        from verl_remote.registry import load_rollout_class
+        from verl_remote.discovery.registry import load_rollout_class
 
         server_class = load_rollout_class(backend_name).server_class
         self.server = server_class(rollout_config, model_config, 0)
@@ -83,8 +83,12 @@ class ServerHost:
     async def sample(
         self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any], stop_token_ids: list[int] | None
     ) -> dict[str, Any]:
-        self.server.stop_token_ids = self.eos if stop_token_ids is None else list(stop_token_ids)
-        result = await self.server.sample(list(prompt_ids), int(max_tokens), dict(sampling_params))
+        from verl_remote.integration.rollout import SamplingParams
+
+        stops = self.eos if stop_token_ids is None else list(stop_token_ids)
+        params = SamplingParams.from_verl(dict(sampling_params), max_tokens=int(max_tokens), stop_token_ids=stops)
+        # What verl receives: the backend's sample, cut to the contract as the server's generate cuts it.
+        result = await self.server.sample_within_contract(list(prompt_ids), params)
         return {
             "token_ids": [int(t) for t in result.token_ids],
             "log_probs": None if result.log_probs is None else [float(x) for x in result.log_probs],

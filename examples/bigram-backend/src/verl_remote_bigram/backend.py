@@ -7,11 +7,19 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
-from verl_remote import RemoteBackend
-from verl_remote.payload import pack, pack_fields, unpack_like
-from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer, SampleResult
-from verl_remote.service import RayService, resources
-from verl_remote.worker import RemoteForwarderWorker
+from verl_remote import (
+    RayService,
+    RemoteBackend,
+    RemoteForwarderWorker,
+    RemoteRolloutReplica,
+    RemoteRolloutServer,
+    SampleResult,
+    SamplingParams,
+    pack,
+    pack_fields,
+    resources,
+    unpack_like,
+)
 from verl_remote_bigram.service import BigramService
 
 FIELDS = ("input_ids", "prompts", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_prob")
@@ -72,13 +80,14 @@ class BigramWorker(RemoteForwarderWorker):
 
 
 class BigramServer(RemoteRolloutServer):
-    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
-        if sampling_params.get("top_p", 1.0) < 1.0 or sampling_params.get("top_k", -1) > 0:
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        if params.top_p < 1.0 or params.top_k > 0:
             raise ValueError("the bigram example samples the full distribution: set rollout top_p=1 and top_k=-1")
-        temperature = float(sampling_params.get("temperature", 1.0))
-        call = self.backend.model.sample.remote(prompt_ids, max_tokens, temperature, self.stop_token_ids)
+        call = self.backend.model.sample.remote(
+            prompt_ids, params.max_tokens, params.temperature, list(params.stop_token_ids)
+        )
         tokens, log_probs = await call
-        return SampleResult(tokens, log_probs if sampling_params.get("logprobs") else None)
+        return SampleResult(tokens, log_probs)
 
 
 class BigramReplica(RemoteRolloutReplica):

@@ -2,7 +2,7 @@
 
 Stands in for your own training and sampling service. It keeps the weights, the optimizer and a frozen copy
 of the initial weights (the reference), and it answers in numpy arrays, the way a service over the network
-would. Its loss is verl's own, through verl_remote.compute.actor_loss.
+would. Its loss is verl's own, through verl_remote.kit.compute.actor_loss.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verl_remote.compute import actor_loss
-from verl_remote.payload import Packed, to_nested
+from verl_remote import Packed, actor_loss, to_nested
 
 
 class BigramService:

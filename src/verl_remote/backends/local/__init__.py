@@ -4,7 +4,7 @@ Registered through the same ``verl.remote_backends`` entry point as any
 third-party backend (see verl-remote's pyproject.toml).
 """
 
-from verl_remote.spec import BackendSpec
+from verl_remote import BackendSpec
 
 SPEC = BackendSpec(
     name="local",

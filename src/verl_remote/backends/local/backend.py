@@ -8,10 +8,8 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
-from verl_remote.backend import RemoteBackend
+from verl_remote import Packed, RayService, RemoteBackend, resources
 from verl_remote.backends.local.engine import GenerateResult, LocalEngine
-from verl_remote.payload import Packed
-from verl_remote.service import RayService, resources
 
 __all__ = ["LocalBackend"]
 

@@ -3,9 +3,9 @@
 It runs inside one Ray actor (see :mod:`verl_remote.backends.local.backend`) and
 owns the model, its optimizer and learning-rate schedule, and a frozen copy of
 the initial weights for reference log-probs. The policy update is verl's own,
-through :func:`verl_remote.compute.actor_loss`, on log-probs computed here.
+through :func:`verl_remote.kit.compute.actor_loss`, on log-probs computed here.
 
-Batches arrive packed (see :mod:`verl_remote.payload`): one flat array of token
+Batches arrive packed (see :mod:`verl_remote.kit.payload`): one flat array of token
 ids per field plus the sequence offsets, which is verl's jagged layout. Log-probs
 follow verl's convention: position ``t`` holds ``log p(token[t+1] | tokens[:t+1])``
 over the whole prompt+response sequence; the last position of each sequence is 0.
@@ -27,8 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verl_remote.compute import sample_token
-from verl_remote.payload import Packed, to_nested
+from verl_remote import Packed, sample_token, to_nested
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ class LocalEngine:
         ``temperature``, ``calculate_entropy`` and verl's global batch info
         (``dp_size``, ``batch_num_tokens``, ``global_batch_size``).
         """
-        from verl_remote.compute import actor_loss
+        from verl_remote import actor_loss
 
         self._capture_reference()  # before the first update, so the reference is the initial model
         log_probs, entropy = self._token_log_probs(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from verl_remote import RemoteRolloutReplica, RemoteRolloutServer, SampleResult, SamplingParams
 from verl_remote.backends.local.backend import LocalBackend
-from verl_remote.rollout import RemoteRolloutReplica, RemoteRolloutServer, SampleResult
 
 __all__ = ["LocalRolloutReplica", "LocalRolloutServer"]
 
@@ -13,15 +13,15 @@ __all__ = ["LocalRolloutReplica", "LocalRolloutServer"]
 class LocalRolloutServer(RemoteRolloutServer):
     backend: LocalBackend
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
-        params = {
-            "temperature": float(sampling_params.get("temperature", 1.0)),
-            "top_p": float(sampling_params.get("top_p", 1.0)),
-            "top_k": int(sampling_params.get("top_k", -1)),
-            "logprobs": bool(sampling_params.get("logprobs", False)),
-            "stop_token_ids": self.stop_token_ids,
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        engine_params = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "logprobs": params.logprobs,
+            "stop_token_ids": list(params.stop_token_ids),
         }
-        result = await self.backend.generate(prompt_ids, max_tokens, params)
+        result = await self.backend.generate(prompt_ids, params.max_tokens, engine_params)
         return SampleResult(result.token_ids, result.log_probs, result.stop_reason)
 
 

@@ -6,9 +6,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from verl_remote import RemoteForwarderWorker, pack, pack_fields, unpack_like
 from verl_remote.backends.local.backend import LocalBackend
-from verl_remote.payload import pack, pack_fields, unpack_like
-from verl_remote.worker import RemoteForwarderWorker
 
 __all__ = ["LocalForwarderWorker"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_remote import load_backend_class
+from verl_remote.discovery.registry import load_backend_class
 
 
 class EchoWorker:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import Any, ClassVar
 
 import torch
 
+from verl_remote import RemoteRolloutServer, SampleResult, SamplingParams
 from verl_remote.backends.local.backend import LocalBackend
 from verl_remote.backends.local.rollout import LocalRolloutReplica, LocalRolloutServer
 from verl_remote.backends.local.worker import LocalForwarderWorker
-from verl_remote.rollout import RemoteRolloutServer, SampleResult
 
 
 class InjectedFailure(RuntimeError):
@@ -99,10 +100,10 @@ class FaultyWorker(LocalForwarderWorker):
 class FaultyServer(LocalRolloutServer):
     backend: FaultyBackend
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
-        if self.backend.settings.get("defect") == "ignore_max_tokens":
-            max_tokens += 3
-        return await super().sample(prompt_ids, max_tokens, sampling_params)
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        if self.backend.settings.get("defect") == "greedy_ignored" and params.temperature == 0:
+            params = dataclasses.replace(params, temperature=1.0)  # samples where verl's validation asks greedy
+        return await super().sample(prompt_ids, params)
 
 
 class FaultyReplica(LocalRolloutReplica):

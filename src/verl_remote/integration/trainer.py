@@ -26,7 +26,7 @@ exactly once whatever ends the run (see :class:`RemoteTaskRunner`).
 
 from __future__ import annotations
 
-from verl_remote.compat import require_supported_verl
+from verl_remote.discovery.compat import require_supported_verl
 
 require_supported_verl()  # before importing verl internals that a newer verl may have moved
 
@@ -44,12 +44,12 @@ from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from verl_remote.backend import RemoteBackend
-from verl_remote.checkpoints import resume_target, seal
-from verl_remote.names import MODE, ROLLOUT_NAME
-from verl_remote.registry import load_backend_class, load_worker_class
-from verl_remote.summary import RunSummary
-from verl_remote.worker import CUSTOM_KEY, attach_backend
+from verl_remote.discovery.registry import load_backend_class, load_worker_class
+from verl_remote.integration.checkpoints import resume_target, seal
+from verl_remote.integration.names import MODE, ROLLOUT_NAME
+from verl_remote.integration.summary import RunSummary
+from verl_remote.integration.worker import CUSTOM_KEY, attach_backend
+from verl_remote.kit.backend import RemoteBackend
 
 __all__ = [
     "CUSTOM_KEY",
@@ -107,7 +107,7 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def __init__(self, config: DictConfig) -> None:
         if self.check_paths:
-            from verl_remote.cluster import check_cluster_paths
+            from verl_remote.integration.cluster import check_cluster_paths
 
             check_cluster_paths(config)
         self.backend_name = str(config.remote_backend.name)
@@ -179,7 +179,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         )
 
     def _save_checkpoint(self) -> None:
-        """verl's save, then the completion record that makes it count (:mod:`verl_remote.checkpoints`)."""
+        """verl's save, then the completion record that makes it count (:mod:`verl_remote.integration.checkpoints`)."""
         self._stop_if_destroyed()
         super()._save_checkpoint()
         folder = os.path.join(str(self.config.trainer.default_local_dir), f"global_step_{self.global_steps}")

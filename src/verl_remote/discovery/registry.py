@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
-from verl_remote.errors import BackendImportError, BackendNotFoundError, DuplicateBackendError
-from verl_remote.spec import BackendSpec, SpecError, import_string
+from verl_remote.kit.errors import BackendImportError, BackendNotFoundError, DuplicateBackendError, one_line
+from verl_remote.kit.spec import BackendSpec, SpecError, import_string
 
 if TYPE_CHECKING:
-    from verl_remote.backend import RemoteBackend
+    from verl_remote.kit.backend import RemoteBackend
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -65,7 +65,7 @@ class InstalledBackend:
             spec = ep.load()
         except Exception as exc:
             raise BackendImportError(
-                f"backend '{self.name}': {where} failed to import: {type(exc).__name__}: {exc}. "
+                f"backend '{self.name}': {where} failed to import: {one_line(exc)}. "
                 f"Reinstall or upgrade {self.distribution}, or uninstall it if you do not use it."
             ) from exc
         if not isinstance(spec, BackendSpec):
@@ -132,7 +132,7 @@ def resolve_class(installed: InstalledBackend, spec: BackendSpec, role: str) -> 
 
     The backend class must subclass :class:`~verl_remote.RemoteBackend`.
     """
-    from verl_remote.backend import RemoteBackend
+    from verl_remote.kit.backend import RemoteBackend
 
     base: type[Any] = RemoteBackend if role == "backend" else object
     target: str = getattr(spec, role)

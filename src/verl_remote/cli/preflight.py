@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl_remote.compose import ConfigError
+from verl_remote.discovery.compose import ConfigError
 
 __all__ = ["NUMERIC_KEYS", "RANGES", "PreflightError", "check_layout", "check_numbers", "check_ranges", "run_preflight"]
 
@@ -121,7 +121,7 @@ RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
 
 def check_ranges(config: DictConfig) -> None:
     """Each number in :data:`RANGES` within its range. How the batch sizes relate is verl's own config check
-    (run before this one, :func:`verl_remote.train.prepare_config`); micro-batches are the backend's, as
+    (run before this one, :func:`verl_remote.cli.run.prepare_config`); micro-batches are the backend's, as
     verl-remote's forwarder hands it whole mini-batches, so their sizes need not divide."""
     for key, valid, words in RANGES:
         value = OmegaConf.select(config, key, throw_on_missing=False, default=None)
@@ -209,12 +209,12 @@ def check_output(config: DictConfig) -> None:
 
 
 def check_resume(config: DictConfig) -> list[str]:
-    """The checkpoint a resume would load is there and complete (:mod:`verl_remote.checkpoints`).
+    """The checkpoint a resume would load is there and complete (:mod:`verl_remote.integration.checkpoints`).
 
     With ``resume_mode=auto`` a damaged or cut-short latest checkpoint is passed over for the newest complete
     one (the note says which and why); with ``resume_path`` it is refused, naming the file.
     """
-    from verl_remote.checkpoints import check, complete_steps, resume_target
+    from verl_remote.integration.checkpoints import check, complete_steps, resume_target
 
     trainer = config.trainer
     mode = str(trainer.get("resume_mode", "auto"))

@@ -23,8 +23,9 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["RECORD", "TRACKER", "Choice", "check", "complete_steps", "resume_target", "seal"]
+__all__ = ["RECORD", "TRACKER", "Choice", "check", "complete_steps", "resume_target", "resumes_from_checkpoint", "seal"]
 
 RECORD = ".verl-remote-complete.json"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -144,3 +145,13 @@ def resume_target(folder: str, *, move_tracker: bool = True) -> Choice:
         f"the latest checkpoint, global_step_{latest}, cannot be resumed: {problem}; resuming from "
         f"global_step_{chosen}, the newest complete one",
     )
+
+
+def resumes_from_checkpoint(main_config: Any) -> bool:
+    """Whether verl will load a checkpoint when the run starts: ``trainer.resume_mode=resume_path``, or ``auto``
+    with a checkpoint in ``trainer.default_local_dir``. A backend's ``from_config`` asks it to tell a new run from a
+    resumed one before verl's ``load_checkpoint`` call comes."""
+    trainer = main_config.trainer
+    mode = str(trainer.get("resume_mode", "auto"))
+    folder = str(trainer.default_local_dir)
+    return mode == "resume_path" or (mode == "auto" and os.path.isfile(os.path.join(folder, TRACKER)))

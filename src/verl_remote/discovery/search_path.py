@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from verl_remote.errors import BackendError
-from verl_remote.registry import available_backends
+from verl_remote.discovery.registry import available_backends
+from verl_remote.kit.errors import BackendError
 
 __all__ = ["backend_search_paths"]
 

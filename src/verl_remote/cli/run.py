@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from verl_remote.compose import ConfigError
-from verl_remote.summary import RunSummary
+from verl_remote.demo import resolve_demo_assets
+from verl_remote.discovery.compose import ConfigError
+from verl_remote.integration.summary import RunSummary
 
 __all__ = [
-    "DEMO_PREFIX",
     "RunFolderBusy",
     "RunSummary",
     "Terminated",
@@ -36,9 +36,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: Config values starting with this name an asset of the built-in demo, made on first use.
-DEMO_PREFIX = "verl-remote://demo/"
 
 
 class Terminated(BaseException):
@@ -121,56 +118,15 @@ _TERMINATED = False
 LOG_DRAIN_S = 1.5
 
 
-def _demo_values(config: DictConfig) -> Iterator[tuple[Any, Any, str]]:
-    """(container, key, value) for every string value naming a demo asset."""
-    stack: list[Any] = [config]
-    while stack:
-        node = stack.pop()
-        items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else enumerate(node)
-        for key, value in items:
-            if isinstance(value, DictConfig | ListConfig):
-                stack.append(value)
-            elif isinstance(value, str) and value.startswith(DEMO_PREFIX):
-                yield node, key, value
-
-
-def resolve_demo_assets(config: DictConfig) -> bool:
-    """Replace ``verl-remote://demo/...`` values with the demo's files, creating them once."""
-    found = list(_demo_values(config))
-    if not found:
-        return False
-    from pathlib import Path
-
-    from verl_remote.demo import reward
-    from verl_remote.demo.assets import ensure_demo_assets
-
-    print("verl-remote: preparing the demo's model, tokenizer and data (once, then cached) ...", flush=True)
-    assets = ensure_demo_assets()
-    paths = {
-        "model": assets.model_path,
-        "train.parquet": assets.train_file,
-        "val.parquet": assets.val_file,
-        "reward.py": Path(reward.__file__),
-    }
-    with open_dict(config):
-        for node, key, value in found:
-            name = value.removeprefix(DEMO_PREFIX)
-            if name not in paths:
-                known = ", ".join(DEMO_PREFIX + n for n in paths)
-                raise ConfigError(f"unknown demo asset {value!r}; known: {known}")
-            node[key] = str(paths[name])
-    return True
-
-
 def prepare_config(config: DictConfig) -> DictConfig:
     """Demo assets, verl's own validation, and the settings verl-remote cannot run without."""
-    from verl_remote.compat import require_supported_verl
+    from verl_remote.discovery.compat import require_supported_verl
 
     require_supported_verl()
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_remote.names import MODE, ROLLOUT_NAME
+    from verl_remote.integration.names import MODE, ROLLOUT_NAME
 
     if config.get("remote_backend") is None:
         raise ConfigError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
@@ -221,7 +177,7 @@ def _ray_init(config: DictConfig) -> None:
 
 def run(config: DictConfig) -> RunSummary:
     """Run training to the end; the backend is destroyed on every way out."""
-    from verl_remote.watchdog import start_watchdog
+    from verl_remote.integration.watchdog import start_watchdog
 
     # Ends what is left of the run once this process is gone, however it goes (SIGKILL included).
     watchdog = start_watchdog()
@@ -234,8 +190,8 @@ def run(config: DictConfig) -> RunSummary:
 def _run(config: DictConfig) -> RunSummary:
     import ray
 
-    from verl_remote.cluster import check_cluster_paths
-    from verl_remote.trainer import RemoteTaskRunner
+    from verl_remote.integration.cluster import check_cluster_paths
+    from verl_remote.integration.trainer import RemoteTaskRunner
 
     _ray_init(config)
     asked = check_cluster_paths(config, LOCK_FILE)
@@ -257,7 +213,7 @@ def _run(config: DictConfig) -> RunSummary:
             # A second signal while the backend shuts down would leave it running: ignore it.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            from verl_remote.console import current_console
+            from verl_remote.cli.console import current_console
 
             console = current_console()
             if console is not None:  # the workers the stop ends say so in errors: the log has them

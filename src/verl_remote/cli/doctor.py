@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points, version
 from typing import Any
 
-from verl_remote.compat import SUPPORTED_VERL, verl_version_problem
-from verl_remote.diagnostics import BackendReport, inspect_backends
+from verl_remote.cli.diagnostics import BackendReport, inspect_backends
+from verl_remote.discovery.compat import SUPPORTED_VERL, verl_version_problem
+from verl_remote.kit.errors import one_line
 
 __all__ = ["Check", "run_checks"]
 
-PLUGIN_MODULE = "verl_remote.verl_plugin"
+PLUGIN_MODULE = "verl_remote.integration.verl_plugin"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def plugin_status() -> tuple[bool, str]:
     try:
         import verl  # noqa: F401  (loads the plugins)
     except Exception as exc:
-        return False, f"import verl failed: {type(exc).__name__}: {exc}"
+        return False, f"import verl failed: {one_line(exc)}"
     module = sys.modules.get(PLUGIN_MODULE)
     if module is not None and module.is_registered():
         return True, f"verl loaded {PLUGIN_MODULE}"
@@ -62,7 +63,7 @@ def plugin_status() -> tuple[bool, str]:
     try:
         __import__(PLUGIN_MODULE)
     except Exception as exc:
-        return False, f"verl could not load {PLUGIN_MODULE}: {type(exc).__name__}: {exc}"
+        return False, f"verl could not load {PLUGIN_MODULE}: {one_line(exc)}"
     return False, f"verl did not load {PLUGIN_MODULE}"
 
 
@@ -94,7 +95,7 @@ def _check_group(name: str) -> Check:
     """The backend's group composes through verl-remote and through verl's own trainer config."""
     from hydra import compose, initialize_config_module
 
-    from verl_remote.compose import compose_config
+    from verl_remote.discovery.compose import compose_config
 
     label = f"backend {name}: config group remote_backend/{name} composes"
     try:
@@ -106,7 +107,7 @@ def _check_group(name: str) -> Check:
                 f"through verl.trainer.main_ppo, remote_backend.name is {config.remote_backend.get('name')!r}"
             )
     except Exception as exc:
-        return Check(label, False, f"{type(exc).__name__}: {exc}")
+        return Check(label, False, one_line(exc))
     return Check(label, True, "with verl-remote's config and with verl's ppo_trainer (+remote_backend)")
 
 
@@ -124,8 +125,8 @@ def check_ray_worker(num_cpus: int = 1) -> list[Check]:
     try:
         import ray
     except Exception as exc:
-        return [Check("Ray worker", False, f"import ray failed: {type(exc).__name__}: {exc}")]
-    from verl_remote.compat import quiet_local_ray_auth
+        return [Check("Ray worker", False, f"import ray failed: {one_line(exc)}")]
+    from verl_remote.discovery.compat import quiet_local_ray_auth
 
     quiet_local_ray_auth()
     try:
@@ -137,11 +138,11 @@ def check_ray_worker(num_cpus: int = 1) -> list[Check]:
             configure_logging=False,
         )
     except Exception as exc:
-        return [Check("Ray worker", False, f"could not start a local Ray cluster: {type(exc).__name__}: {exc}")]
+        return [Check("Ray worker", False, f"could not start a local Ray cluster: {one_line(exc)}")]
     try:
         seen = ray.get(ray.remote(num_cpus=1)(_inspect_in_worker).remote(), timeout=300)
     except Exception as exc:
-        return [Check("Ray worker", False, f"the worker task failed: {type(exc).__name__}: {exc}")]
+        return [Check("Ray worker", False, f"the worker task failed: {one_line(exc)}")]
     finally:
         ray.shutdown()
     ok, detail = seen["plugin"]
@@ -155,7 +156,7 @@ def run_checks(*, ray_worker: bool = True, on_check: Callable[[Check], None] | N
     """Run every check in order, reporting each as soon as it is known."""
     # The search path plugin warns about broken backends each time Hydra starts;
     # doctor reports those backends itself, once each.
-    logging.getLogger("verl_remote.search_path").setLevel(logging.ERROR)
+    logging.getLogger("verl_remote.discovery.search_path").setLevel(logging.ERROR)
     results: list[Check] = []
 
     def record(check: Check) -> None:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from verl_remote.errors import BackendImportError
+from verl_remote.kit.errors import BackendImportError, one_line
 
 __all__ = ["BackendSpec", "SpecError", "import_string"]
 
@@ -39,7 +39,7 @@ def import_string(target: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:
-        raise SpecError(f"cannot import {target!r}: {type(exc).__name__}: {exc}") from exc
+        raise SpecError(f"cannot import {target!r}: {one_line(exc)}") from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)

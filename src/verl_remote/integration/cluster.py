@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 
-from verl_remote.compose import ConfigError
+from verl_remote.discovery.compose import ConfigError
 
 __all__ = ["SharedPath", "check_cluster_paths", "shared_paths"]
 

@@ -1,4 +1,5 @@
-"""The names verl-remote registers in verl's registries (:mod:`verl_remote.verl_hooks`), set in a run's config."""
+"""The names verl-remote registers in verl's registries (:mod:`verl_remote.integration.verl_hooks`), set in a
+run's config."""
 
 from __future__ import annotations
 

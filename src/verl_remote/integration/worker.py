@@ -29,8 +29,8 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 
-from verl_remote.backend import RemoteBackend
-from verl_remote.registry import load_backend_class
+from verl_remote.discovery.registry import load_backend_class
+from verl_remote.kit.backend import RemoteBackend
 
 __all__ = ["SHARED_SECTIONS", "RemoteForwarderWorker", "attach_backend", "backend_context"]
 
@@ -171,7 +171,7 @@ class RemoteForwarderWorker(Worker):
 
         Position ``t`` holds ``log p(input_ids[t+1])`` at ``temperature``; the last position of a row is 0, so
         response token ``j`` of a row of ``n`` tokens with ``r`` response tokens is at ``n - r - 1 + j``
-        (:mod:`verl_remote.compute`). ``data`` also holds ``prompts``, ``responses`` and ``response_mask``.
+        (:mod:`verl_remote.kit.compute`). ``data`` also holds ``prompts``, ``responses`` and ``response_mask``.
         ``entropy`` may be zeros when not asked for. ``reference``: score with the initial weights.
         """
         raise NotImplementedError
@@ -181,7 +181,7 @@ class RemoteForwarderWorker(Worker):
 
         ``meta``: ``temperature``, ``calculate_entropy``, ``dp_size``,
         ``batch_num_tokens`` and ``global_batch_size`` (for verl's loss aggregation); the loss settings are in
-        ``self.config.actor``. :func:`verl_remote.compute.actor_loss` computes verl's loss from them. Return
+        ``self.config.actor``. :func:`verl_remote.kit.compute.actor_loss` computes verl's loss from them. Return
         at least ``loss``, as plain floats without the ``actor/`` prefix (docs/backend-author-guide.md).
         """
         raise NotImplementedError

@@ -10,14 +10,14 @@ import importlib.resources
 from collections import Counter
 from dataclasses import dataclass
 
-from verl_remote.errors import BackendError
-from verl_remote.registry import (
+from verl_remote.discovery.registry import (
     InstalledBackend,
     available_backends,
     installed_backend,
     resolve_class,
 )
-from verl_remote.spec import BackendSpec
+from verl_remote.kit.errors import BackendError, one_line
+from verl_remote.kit.spec import BackendSpec
 
 __all__ = ["BackendReport", "config_group_error", "inspect_backends"]
 
@@ -40,7 +40,7 @@ def config_group_error(spec: BackendSpec) -> str | None:
     try:
         root = importlib.resources.files(spec.config_package)
     except Exception as exc:  # the package itself is missing or fails to import
-        return f"config_package '{spec.config_package}' cannot be imported: {type(exc).__name__}: {exc}"
+        return f"config_package '{spec.config_package}' cannot be imported: {one_line(exc)}"
     group = root.joinpath(spec.config_file)
     if not group.is_file():
         return f"config_package '{spec.config_package}' has no {spec.config_file}"

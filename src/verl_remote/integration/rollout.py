@@ -7,23 +7,27 @@ expect verl's ``TokenOutput`` back, tagged with the weights version
 CPU-only server actor; :class:`RemoteRolloutServer` does verl's part of the
 contract (token budget, sampling parameters, version tags, the sleep/wake calls
 verl makes every step) and leaves one method to a backend:
-:meth:`RemoteRolloutServer.sample`.
+:meth:`RemoteRolloutServer.sample`. The sampling contract is enforced here, once
+for every backend: verl's parameters are parsed with verl's defaults
+(:class:`SamplingParams`), and what ``sample`` returns is cut at ``max_tokens``
+and after the first stop id, with one log-prob per token when they are asked for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import ray
 from omegaconf import OmegaConf
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from verl_remote.backend import RemoteBackend
-from verl_remote.registry import load_backend_class, load_rollout_class
-from verl_remote.worker import backend_context
+from verl_remote.discovery.registry import load_backend_class, load_rollout_class
+from verl_remote.integration.worker import backend_context
+from verl_remote.kit.backend import RemoteBackend
+from verl_remote.kit.errors import one_line
 
-__all__ = ["BackendRolloutReplica", "RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult", "describe_failure"]
+__all__ = ["BackendRolloutReplica", "RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult", "SamplingParams"]
 
 
 @dataclass
@@ -34,6 +38,65 @@ class SampleResult:
     log_probs: list[float] | None = None
     #: "completed" (stop token or budget reached) or "aborted" (stopped early: verl continues the request).
     stop_reason: str = "completed"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One generation request's sampling, as verl's agent loop asks for it, with verl's defaults (those of its own
+    vLLM rollout) where it leaves a key out."""
+
+    #: The token budget: verl's response length, capped by the model length (RemoteRolloutServer.max_tokens).
+    max_tokens: int
+    #: The model's end-of-sequence ids: the response ends right after the first one sampled.
+    stop_token_ids: tuple[int, ...] = field(default=())
+    #: 0 means greedy decoding (verl's validation default).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: -1 (or 0): no top-k cut.
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    #: Whether one log-prob per sampled token is wanted (verl's rollout log-probs).
+    logprobs: bool = False
+
+    @classmethod
+    def from_verl(
+        cls, sampling_params: dict[str, Any], *, max_tokens: int, stop_token_ids: list[int] | tuple[int, ...]
+    ) -> SamplingParams:
+        def number(key: str, default: float) -> float:
+            value = sampling_params.get(key)
+            return default if value is None else float(value)
+
+        return cls(
+            max_tokens=int(max_tokens),
+            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            temperature=number("temperature", 1.0),
+            top_p=number("top_p", 1.0),
+            top_k=int(number("top_k", -1)),
+            repetition_penalty=number("repetition_penalty", 1.0),
+            logprobs=bool(sampling_params.get("logprobs", False)),
+        )
+
+
+def within_contract(result: SampleResult, params: SamplingParams) -> SampleResult:
+    """``result`` cut to what verl may receive: at most ``max_tokens`` tokens, ending right after the first stop
+    id; log-probs only when asked for, one per token (a sampler that returns another count is refused)."""
+    tokens = [int(t) for t in result.token_ids]
+    log_probs = None if result.log_probs is None else [float(x) for x in result.log_probs]
+    if params.logprobs and (log_probs is None or len(log_probs) != len(tokens)):
+        got = "none" if log_probs is None else len(log_probs)
+        raise ValueError(
+            f"the sampler returned {got} log-probs for {len(tokens)} tokens; return one per sampled token when "
+            "SamplingParams.logprobs is true"
+        )
+    if result.stop_reason not in ("completed", "aborted"):
+        raise ValueError(f"the sampler's stop_reason is {result.stop_reason!r}; it must be 'completed' or 'aborted'")
+    stops = set(params.stop_token_ids)
+    end = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
+    end = min(end, params.max_tokens)
+    stop_reason = result.stop_reason if end == len(tokens) else "completed"
+    tokens = tokens[:end]
+    log_probs = log_probs[:end] if params.logprobs and log_probs is not None else None
+    return SampleResult(tokens, log_probs, stop_reason)
 
 
 class RemoteRolloutServer:
@@ -88,11 +151,16 @@ class RemoteRolloutServer:
             raise ValueError("verl-remote's rollout replica serves text prompts only")
         prompt_ids = [int(t) for t in prompt_ids]
         try:
-            result = await self.sample(prompt_ids, self.max_tokens(len(prompt_ids), sampling_params), sampling_params)
+            params = SamplingParams.from_verl(
+                sampling_params,
+                max_tokens=self.max_tokens(len(prompt_ids), sampling_params),
+                stop_token_ids=self.stop_token_ids,
+            )
+            result = await self.sample_within_contract(prompt_ids, params)
         except Exception as exc:
             # verl's agent loop logs the exception and counts the prompt as failed; the trainer asks for the
             # failures after sampling and stops the step with the backend's own words (take_failures).
-            self.failures.append(describe_failure(exc))
+            self.failures.append(one_line(exc))
             raise
         return TokenOutput(
             token_ids=result.token_ids,
@@ -101,14 +169,20 @@ class RemoteRolloutServer:
             extra_fields={"global_steps": self.global_steps},
         )
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> SampleResult:
-        """Sample one response from the backend.
+    async def sample_within_contract(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        """:meth:`sample`, cut to the contract (:func:`within_contract`): what verl receives."""
+        return within_contract(await self.sample(prompt_ids, params), params)
 
-        ``sampling_params`` as verl sends them: ``temperature`` (0: greedy, as in
-        verl's validation), ``top_p``, ``top_k``, ``repetition_penalty`` and
-        ``logprobs`` (whether per-token log-probs are wanted). Return at most
-        ``max_tokens`` tokens, ending after the first of ``self.stop_token_ids``
-        (the model's EOS ids) it emits; ``self.tokenizer`` is the model's
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        """Sample one response from the backend; the one method a backend's server implements.
+
+        ``params`` is the request's sampling, parsed (:class:`SamplingParams`):
+        ``temperature`` (0: greedy, as in verl's validation), ``top_p``,
+        ``top_k``, ``repetition_penalty``, ``logprobs`` (whether one log-prob
+        per sampled token is wanted), ``max_tokens`` and ``stop_token_ids`` (the
+        model's EOS ids). Pass the budget and the stop ids to the service so it
+        stops early; what it returns past either is cut here, so a service that
+        only knows its own EOS is fine. ``self.tokenizer`` is the model's
         tokenizer. ``stop_reason`` "aborted" makes verl send the request again
         with the tokens so far appended to the prompt.
         """
@@ -169,12 +243,6 @@ class BackendRolloutReplica(RemoteRolloutReplica):
         name, _handle, _shared = backend_context(config)
         # Not an instance of this class, so Python does not call __init__ on it again.
         return load_rollout_class(name)(*args, **kwargs)
-
-
-def describe_failure(exc: BaseException) -> str:
-    """An exception as one line: its type and message, whitespace folded."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:

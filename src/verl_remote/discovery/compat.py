@@ -1,7 +1,7 @@
 """Which verl releases verl-remote supports, checked before anything relies on verl's internals.
 
 verl-remote uses public verl seams where they exist and a few private ones where
-they do not (listed in :mod:`verl_remote.trainer`); all were checked against
+they do not (listed in :mod:`verl_remote.integration.trainer`); all were checked against
 verl 0.9.1. A verl outside this range fails fast with this module's message
 instead of deep inside a training step. Also here: what a command does to meet
 Ray where Ray's defaults would get in a user's way (:func:`quiet_local_ray_auth`).

@@ -1,4 +1,5 @@
-"""What verl-remote registers in verl's registries, right after verl imports them (see :mod:`verl_remote.verl_plugin`).
+"""What verl-remote registers in verl's registries, right after verl imports them (see
+:mod:`verl_remote.integration.verl_plugin`).
 
 Both registrations are lazy: nothing of verl-remote's trainer or rollout code is imported until verl asks for
 ``trainer.v1.trainer_mode=remote`` or ``actor_rollout_ref.rollout.name=verl_remote``. The trainer must stay
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_remote.names import MODE, ROLLOUT_NAME
+from verl_remote.integration.names import MODE, ROLLOUT_NAME
 
 __all__ = ["MODE", "ROLLOUT_NAME", "on_rollout_replica", "on_trainer_base"]
 
@@ -20,7 +21,7 @@ class _Trainers(dict):  # type: ignore[type-arg]
 
     def __missing__(self, name: str) -> Any:
         if name == MODE:
-            import verl_remote.trainer  # noqa: F401 - registers RemotePPOTrainer under MODE, in this dict
+            import verl_remote.integration.trainer  # noqa: F401 - registers RemotePPOTrainer under MODE, in this dict
 
             if name in self:
                 return dict.__getitem__(self, name)
@@ -34,7 +35,7 @@ def on_trainer_base(module: Any) -> None:
 
 
 def _replica_class() -> type:
-    from verl_remote.rollout import BackendRolloutReplica
+    from verl_remote.integration.rollout import BackendRolloutReplica
 
     return BackendRolloutReplica
 

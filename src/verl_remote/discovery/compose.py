@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from verl_remote.registry import get_backend_spec
+from verl_remote.discovery.registry import get_backend_spec
 
 __all__ = ["CONFIG_MODULE", "CONFIG_NAME", "ConfigError", "compose_config", "selected_backend", "verl_overrides"]
 
@@ -35,7 +35,7 @@ def verl_config_dir() -> str:
     """
     import importlib.util
 
-    from verl_remote.compat import UnsupportedVerlError, require_supported_verl
+    from verl_remote.discovery.compat import UnsupportedVerlError, require_supported_verl
 
     require_supported_verl()  # a missing or unsupported verl is named as such
     spec = importlib.util.find_spec("verl")

@@ -15,11 +15,11 @@ Rules for this module (it runs in every verl process, many times):
   that can fail here must be checkable from ``verl-remote doctor`` instead.
 
 Backends themselves need no registration: any process resolves them by name from
-the ``verl.remote_backends`` entry points (see :mod:`verl_remote.registry`). The
+the ``verl.remote_backends`` entry points (see :mod:`verl_remote.discovery.registry`). The
 trainer mode (``trainer.v1.trainer_mode=remote``) and the rollout replica
 (``actor_rollout_ref.rollout.name=verl_remote``) live in verl modules that take
 about 0.7 s to import, which this hook must not pay in every process: it installs
-a finder that runs :mod:`verl_remote.verl_hooks` right after verl imports those
+a finder that runs :mod:`verl_remote.integration.verl_hooks` right after verl imports those
 modules, in whichever process that happens, so that ``python -m
 verl.trainer.main_ppo`` finds them as ``verl-remote train`` does.
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["HOOKED_MODULES", "is_registered", "register"]
 
-#: verl module -> the function of :mod:`verl_remote.verl_hooks` to run once it is imported.
+#: verl module -> the function of :mod:`verl_remote.integration.verl_hooks` to run once it is imported.
 HOOKED_MODULES = {
     "verl.trainer.ppo.v1.trainer_base": "on_trainer_base",
     "verl.workers.rollout.replica": "on_rollout_replica",
@@ -41,7 +41,7 @@ _registered = False
 
 
 def _run_hook(module: Any) -> None:
-    from verl_remote import verl_hooks
+    from verl_remote.integration import verl_hooks
 
     getattr(verl_hooks, HOOKED_MODULES[module.__name__])(module)
 

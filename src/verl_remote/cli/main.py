@@ -15,10 +15,10 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from verl_remote import __version__
-from verl_remote.errors import BackendError
+from verl_remote.kit.errors import BackendError, one_line
 
 if TYPE_CHECKING:
-    from verl_remote.console import Console
+    from verl_remote.cli.console import Console
 
 __all__ = ["main"]
 
@@ -29,7 +29,7 @@ EXIT_TERMINATED = 143  # SIGTERM, as shells report it
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from verl_remote.diagnostics import inspect_backends
+    from verl_remote.cli.diagnostics import inspect_backends
 
     reports = inspect_backends()
     if not reports:
@@ -52,12 +52,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from verl_remote.compose import compose_config
+    from verl_remote.discovery.compose import compose_config
 
     config = compose_config(args.overrides, recipe=args.recipe)
     if args.as_overrides:
-        from verl_remote.compose import verl_overrides
-        from verl_remote.train import resolve_demo_assets
+        from verl_remote.demo import resolve_demo_assets
+        from verl_remote.discovery.compose import verl_overrides
 
         with _quiet_stdout():  # only the overrides on stdout, for $(verl-remote config --overrides)
             resolve_demo_assets(config)
@@ -76,7 +76,7 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from verl_remote.console import run_console
+    from verl_remote.cli.console import run_console
 
     # First, so that what importing verl and Ray prints is sorted too.
     with run_console(args.verbose) as console:
@@ -87,10 +87,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     import time
     from pathlib import Path
 
-    from verl_remote.compose import ConfigError, compose_config
-    from verl_remote.preflight import check_numbers, run_preflight
-    from verl_remote.registry import load_backend_class
-    from verl_remote.train import Terminated, check_run_folder_free, hold_run_folder, prepare_config, run
+    from verl_remote.cli.preflight import check_numbers, run_preflight
+    from verl_remote.cli.run import Terminated, check_run_folder_free, hold_run_folder, prepare_config, run
+    from verl_remote.discovery.compose import ConfigError, compose_config
+    from verl_remote.discovery.registry import load_backend_class
 
     composed = compose_config(args.overrides, recipe=args.recipe)
     backend_group = composed.get("remote_backend")
@@ -145,8 +145,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 def _report_end(console: Console, config: Any) -> None:
     """Before the last line of a run that did not finish: its steps' rewards as far as it came, what was not shown,
     and where it can resume."""
-    from verl_remote.checkpoints import complete_steps
-    from verl_remote.summary import RunSummary
+    from verl_remote.integration.checkpoints import complete_steps
+    from verl_remote.integration.summary import RunSummary
 
     if console.rewards:
         summary = RunSummary([reward for _, reward in console.rewards], first_step=console.rewards[0][0])
@@ -173,24 +173,11 @@ def _failure(exc: BaseException, console: Console) -> str:
     if console.ray_died is not None:
         process, said = console.ray_died
         return f"Ray's {process} died under the run ({said!r}); its calls then failed ({type(exc).__name__})"
-    return _root_cause(exc)
-
-
-def _root_cause(exc: BaseException) -> str:
-    """The innermost error of a Ray task failure, as one line."""
-    while True:
-        cause = getattr(exc, "cause", None)  # RayTaskError wraps the remote exception
-        if isinstance(cause, BaseException) and cause is not exc:
-            exc = cause
-            continue
-        break
-    text = str(exc).strip().splitlines()
-    last = text[-1] if text else ""
-    return f"{type(exc).__name__}: {last}"
+    return one_line(exc)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from verl_remote.doctor import Check, run_checks
+    from verl_remote.cli.doctor import Check, run_checks
 
     def show(check: Check) -> None:
         mark = "ok  " if check.ok else "FAIL"
@@ -206,9 +193,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from verl_remote.registry import get_backend_spec
+    from verl_remote.discovery.registry import get_backend_spec
+    from verl_remote.integration.watchdog import start_watchdog
     from verl_remote.testing import check_backend
-    from verl_remote.watchdog import start_watchdog
 
     get_backend_spec(args.name)  # an unknown name: exit 2 with the installed ones
     print(f"verl-remote check: backend '{args.name}' (a Ray instance of its own, the demo's tiny model)", flush=True)
@@ -313,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from verl_remote.compat import UnsupportedVerlError
-    from verl_remote.compose import ConfigError
+    from verl_remote.discovery.compat import UnsupportedVerlError
+    from verl_remote.discovery.compose import ConfigError
 
     parser = build_parser()
     args = parser.parse_args(argv)

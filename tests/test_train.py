@@ -147,7 +147,8 @@ def test_a_resume_passes_over_a_damaged_latest_checkpoint_and_continues_with_the
     train_runs: TrainRuns, tmp_path: Path, cli_main: Any
 ) -> None:
     """The demo's checkpoints, copied; the latest (step 4) damaged: pinned to it, the run is refused naming the
-    file; in auto mode it resumes at step 3 from step 2, the newest complete one, with step 2's exact weights."""
+    file; in auto mode it resumes at step 3 from step 2, the newest complete one, with step 2's exact weights
+    (and with verl's profiler configured)."""
     ckpt = train_runs(*DEMO).ok().clone(tmp_path) / "ckpt"
     assert (ckpt / "global_step_4" / "data.pt").is_file()
     weights = ckpt / "global_step_4" / "actor" / "local_engine" / "local_engine.pt"
@@ -162,8 +163,13 @@ def test_a_resume_passes_over_a_damaged_latest_checkpoint_and_continues_with_the
     assert f"{weights} has 100 bytes" in last_line(err)
     assert f"trainer.resume_from_path={step2}" in last_line(err)
 
-    resumed = train(tmp_path, "--verbose", "trainer.total_training_steps=4", "trainer.resume_mode=auto")
+    # With verl's profiler on both steps: verl asks the forwarders to start and stop a profile around each (the
+    # last with its finish command), which the local backend's worker does not do, and says so once.
+    profiled = "global_profiler.steps=[3,4]"
+    resumed = train(tmp_path, "--verbose", "trainer.total_training_steps=4", "trainer.resume_mode=auto", profiled)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = "verl-remote: global_profiler.steps asks for a profile; the forwarders only forward, and backend 'local'"
+    assert (resumed.stdout + resumed.stderr).count(said) == 1
     assert "Started a local Ray instance" in resumed.stderr  # --verbose: every process's output on the console
     assert f"the latest checkpoint, global_step_4, cannot be resumed: {weights} has 100 bytes, " in resumed.stdout
     assert "resuming from global_step_2, the newest complete one" in resumed.stdout

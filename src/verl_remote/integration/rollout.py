@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import ray
-from omegaconf import OmegaConf
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
 from verl_remote.discovery.registry import load_backend_class, load_rollout_class
-from verl_remote.integration.worker import backend_context
+from verl_remote.integration.handoff import read as read_handoff
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
 
@@ -105,9 +104,10 @@ class RemoteRolloutServer:
     def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
         self.config = rollout_config
         self.replica_rank = replica_rank
-        name, handle, shared = backend_context(rollout_config)
-        main_config = OmegaConf.merge(shared, {"actor_rollout_ref": {"model": model_config}})
-        self.backend: RemoteBackend = load_backend_class(name).from_config(main_config, handle=handle)
+        handoff = read_handoff(rollout_config)
+        self.backend: RemoteBackend = load_backend_class(handoff.backend).from_config(
+            handoff.main_config({"model": model_config}), handle=handoff.handle
+        )
         self.global_steps = 0
         self.failures: list[str] = []
         from transformers import AutoTokenizer
@@ -240,7 +240,7 @@ class BackendRolloutReplica(RemoteRolloutReplica):
         if cls is not BackendRolloutReplica:
             return super().__new__(cls)
         config = kwargs["config"] if "config" in kwargs else args[1]
-        name, _handle, _shared = backend_context(config)
+        name = read_handoff(config).backend
         # Not an instance of this class, so Python does not call __init__ on it again.
         return load_rollout_class(name)(*args, **kwargs)
 

@@ -13,7 +13,8 @@ patched or copied. The seams, and what each one is used for:
   the resource pools become CPU-only. verl's own ``separate_async`` trainer
   overrides the same method the same way.
 - ``actor_rollout_ref.rollout.custom`` (verl's extension field): carries the
-  backend's name, reconnect handle and settings to every forwarder and replica.
+  backend's name, reconnect handle and settings to every forwarder and replica
+  (:mod:`verl_remote.integration.handoff`).
 - ``RolloutReplicaRegistry.register("verl_remote", ...)`` +
   ``actor_rollout_ref.rollout.name=verl_remote``: verl's rollout servers become the
   backend's rollout replica.
@@ -46,13 +47,12 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_remote.discovery.registry import load_backend_class, load_worker_class
 from verl_remote.integration.checkpoints import resume_target, seal
+from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import MODE, ROLLOUT_NAME
 from verl_remote.integration.summary import RunSummary
-from verl_remote.integration.worker import CUSTOM_KEY, attach_backend
 from verl_remote.kit.backend import RemoteBackend
 
 __all__ = [
-    "CUSTOM_KEY",
     "MODE",
     "ROLLOUT_NAME",
     "RemotePPOTrainer",
@@ -125,7 +125,7 @@ class RemotePPOTrainer(PPOTrainerSync):
                     f"trainer.n_gpus_per_node * trainer.nnodes = {forwarders}: "
                     "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
                 )
-            attach_backend(config, self.backend_name, self.backend.reconnect_handle())
+            attach_handoff(config, self.backend_name, self.backend.reconnect_handle())
             super().__init__(config)
         except BaseException:
             self.destroy_backend()

@@ -23,59 +23,19 @@ import re
 import time
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 from tensordict import TensorDict
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 
 from verl_remote.discovery.registry import load_backend_class
+from verl_remote.integration.handoff import read as read_handoff
 from verl_remote.kit.backend import RemoteBackend
 
-__all__ = ["SHARED_SECTIONS", "RemoteForwarderWorker", "attach_backend", "backend_context"]
+__all__ = ["RemoteForwarderWorker"]
 
 log = logging.getLogger(__name__)
-
-CUSTOM_KEY = "verl_remote"  # the trainer puts the backend's name, handle and settings here
-
-
-#: The run's sections every forwarder and rollout server gets, as composed on the driver.
-SHARED_SECTIONS = ("remote_backend", "data", "trainer", "algorithm")
-
-
-def attach_backend(config: DictConfig, name: str, handle: dict[str, Any]) -> None:
-    """Put the backend's name, reconnect handle and the shared sections where workers and replicas find them.
-
-    ``actor_rollout_ref.rollout.custom.verl_remote``: verl hands the rollout config to every forwarder and rollout
-    server. The sections travel as YAML text, since verl turns nested dicts with a ``_target_`` in the rollout
-    config into dataclasses, and a string passes through untouched.
-    """
-    shared = {key: OmegaConf.to_container(config[key], resolve=True) for key in SHARED_SECTIONS if key in config}
-    with open_dict(config):
-        existing = config.actor_rollout_ref.rollout.get("custom")
-        custom: dict[str, Any] = dict(OmegaConf.to_container(existing)) if existing is not None else {}  # type: ignore[arg-type]
-        custom[CUSTOM_KEY] = {"backend": name, "handle": handle, "config": OmegaConf.to_yaml(shared)}
-        config.actor_rollout_ref.rollout.custom = custom
-
-
-def backend_context(rollout_config: Any) -> tuple[str, dict[str, Any], DictConfig]:
-    """``(backend name, reconnect handle, config)`` from verl's rollout config in a worker or replica.
-
-    The config holds the run's ``remote_backend``, ``data``, ``trainer`` and
-    ``algorithm`` sections as composed on the driver, resolved. A forwarder adds
-    its ``actor_rollout_ref`` section, a rollout server ``actor_rollout_ref.model``
-    only, before calling ``from_config``.
-    """
-    custom = rollout_config.get("custom") if hasattr(rollout_config, "get") else rollout_config.custom
-    entry = (custom or {}).get(CUSTOM_KEY)
-    if entry is None:
-        raise RuntimeError(
-            "this worker was started without verl-remote's backend handle: run it through 'verl-remote train' "
-            "(trainer.v1.trainer_mode=remote)"
-        )
-    config = OmegaConf.create(str(entry["config"]))
-    assert isinstance(config, DictConfig)
-    return str(entry["backend"]), dict(entry["handle"]), config
 
 
 class RemoteForwarderWorker(Worker):
@@ -85,10 +45,13 @@ class RemoteForwarderWorker(Worker):
         super().__init__()
         self.config = config
         self.role = role
-        self.backend_name, handle, shared = backend_context(config.rollout)
-        main_config = OmegaConf.merge(shared, {"actor_rollout_ref": config})
-        self.backend: RemoteBackend = load_backend_class(self.backend_name).from_config(main_config, handle=handle)
+        handoff = read_handoff(config.rollout)
+        self.backend_name = handoff.backend
+        self.backend: RemoteBackend = load_backend_class(handoff.backend).from_config(
+            handoff.main_config(config), handle=handoff.handle
+        )
         self._flops = _flops_counter(str(config.model.path))
+        self._profile_noted = False
 
     # -- verl's worker-group surface -------------------------------------------------------
 
@@ -162,6 +125,26 @@ class RemoteForwarderWorker(Worker):
         if self.rank == 0:
             await self.backend.load_checkpoint(_step_of(local_path), local_path)
 
+    # verl's profiler (global_profiler.steps): verl starts and stops a profile around each profiled step.
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, **kwargs: Any) -> None:
+        if not self.backend_start_profile(**kwargs) and not self._profile_noted:
+            self._profile_noted = True
+            log.warning(
+                "verl-remote: global_profiler.steps asks for a profile; the forwarders only forward, and backend "
+                "'%s' does not profile its service through verl (its worker's backend_start_profile): profile the "
+                "service with its own tools",
+                self.backend_name,
+            )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self, run_command: bool = True) -> None:
+        self.backend_stop_profile(run_command=run_command)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def step_profile(self) -> None:
+        pass
+
     # -- what a backend's worker implements ------------------------------------------------
 
     def backend_log_probs(
@@ -193,6 +176,15 @@ class RemoteForwarderWorker(Worker):
     def backend_end_of_step(self) -> float | None:
         """Called once per training step after the last mini-batch (the LR schedule steps here)."""
         return None
+
+    def backend_start_profile(self, **kwargs: Any) -> bool:
+        """Optional: start the service's profiler for a step verl profiles (``global_profiler.steps``; ``kwargs``
+        as verl sends them: ``profile_step``, ``role``). Return True when it does; the default does nothing (the
+        run says so once)."""
+        return False
+
+    def backend_stop_profile(self, *, run_command: bool) -> None:
+        """Optional: stop it; ``run_command`` is True on the last profiled step (verl's trace-upload hook)."""
 
     # -- plumbing --------------------------------------------------------------------------
 

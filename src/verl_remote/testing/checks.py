@@ -207,11 +207,11 @@ class Conformance:
         """worker re-attaches: the forwarder builds from the handle in a separate Ray worker process."""
         import ray
 
-        from verl_remote.integration.worker import attach_backend
+        from verl_remote.integration.handoff import attach as attach_handoff
         from verl_remote.testing.hosts import WorkerHost
 
         config = self.state.config
-        attach_backend(config, self.name, self.state.backend.reconnect_handle())
+        attach_handoff(config, self.name, self.state.backend.reconnect_handle())
         host = ray.remote(WorkerHost).options(num_cpus=0).remote(self.name, config.actor_rollout_ref, _free_port())
         pid = ray.get(host.pid.remote(), timeout=600)
         self.state.worker = host

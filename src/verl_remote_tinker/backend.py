@@ -97,6 +97,7 @@ class TinkerBackend(RemoteBackend):
         """The settings honoured, the service answering its health route; nothing is created."""
         settings = as_dict(main_config.remote_backend)
         _base_url(settings)
+        _lora_rank(settings)
         check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
         _reduction_setting(settings)
         _healthy(settings)
@@ -109,6 +110,7 @@ class TinkerBackend(RemoteBackend):
 
         settings = as_dict(main_config.remote_backend)
         base_url = _base_url(settings)
+        rank = _lora_rank(settings)
         actor = as_dict(main_config.actor_rollout_ref.actor)
         check_objective(actor, as_dict(main_config.actor_rollout_ref.rollout))
         _healthy(settings)
@@ -139,13 +141,19 @@ class TinkerBackend(RemoteBackend):
             started = ray.get(backend.session.start.remote())
         except Exception as exc:
             service.stop()
+            if rank == 0:
+                raise RuntimeError(
+                    f"verl-remote-tinker: remote_backend.lora_rank=0 asks for full fine-tuning, which the service "
+                    f"at {base_url} does not offer ({_cause(exc)}); set remote_backend.lora_rank to a LoRA rank it "
+                    "serves (SkyRL's server: 1 to its --max-lora-rank, 32 by default)"
+                ) from None
             raise RuntimeError(
                 f"verl-remote-tinker: the service at {base_url} refused the run: {_cause(exc)}"
             ) from None
         log.info(
-            "verl-remote-tinker: training %s (LoRA rank %s) as model %s on %s; loss reduction %s",
+            "verl-remote-tinker: training %s (%s) as model %s on %s; loss reduction %s",
             base_model,
-            settings.get("lora_rank"),
+            "full fine-tuning" if rank == 0 else f"LoRA rank {rank}",
             started["model_id"],
             base_url,
             reduction,
@@ -225,6 +233,18 @@ def _base_url(settings: dict[str, Any]) -> str:
             "'python -m verl_remote_tinker.local_server --port 8000'"
         )
     return str(url).rstrip("/")
+
+
+def _lora_rank(settings: dict[str, Any]) -> int:
+    """``remote_backend.lora_rank``: a LoRA adapter's rank, or 0 for full fine-tuning where the service offers it
+    (the Tinker API asks for it as a LoRA of rank 0)."""
+    value = settings.get("lora_rank")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"remote_backend.lora_rank={value}: out of range; expected an integer >= 0 (a LoRA rank, or 0 for full "
+            "fine-tuning where the service offers it)"
+        )
+    return value
 
 
 def _reduction_setting(settings: dict[str, Any]) -> str:

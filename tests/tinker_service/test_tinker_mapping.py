@@ -174,7 +174,7 @@ def test_loss_reduction_takes_an_explicit_value_and_refuses_others() -> None:
 def _config(**backend: Any) -> Any:
     return OmegaConf.create(
         {
-            "remote_backend": {"loss_reduction": "auto", "connect_timeout_s": 1, **backend},
+            "remote_backend": {"loss_reduction": "auto", "connect_timeout_s": 1, "lora_rank": 32, **backend},
             "actor_rollout_ref": {"actor": {"entropy_coeff": 0.0}, "rollout": {"temperature": 1.0}},
         }
     )
@@ -183,6 +183,14 @@ def _config(**backend: Any) -> Any:
 def test_preflight_names_the_missing_base_url() -> None:
     with pytest.raises(ValueError, match=r"remote_backend.base_url is not set: .*verl_remote_tinker.local_server"):
         TinkerBackend.preflight(_config(base_url=None))
+
+
+@pytest.mark.parametrize("rank", [-1, 2.5, "four"])
+def test_preflight_refuses_a_lora_rank_that_is_not_an_integer_from_0(rank: Any) -> None:
+    with pytest.raises(
+        ValueError, match=r"remote_backend.lora_rank=.*: out of range; expected an integer >= 0 \(a LoRA"
+    ):
+        TinkerBackend.preflight(_config(base_url="http://127.0.0.1:1", lora_rank=rank))
 
 
 def test_preflight_names_an_address_where_nothing_answers(dead_url: str) -> None:

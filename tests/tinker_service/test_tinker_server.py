@@ -34,8 +34,10 @@ from conftest import (
     steps,
     train,
 )
+from verl_remote.demo import resolve_demo_assets
 from verl_remote.discovery.compose import compose_config
 from verl_remote.kit.compute import actor_loss
+from verl_remote_tinker.backend import TinkerBackend
 from verl_remote_tinker.session import TinkerSession
 from verl_remote_tinker.testing.local_server import LocalServer
 from verl_remote_tinker.worker import linearised_datums
@@ -44,9 +46,15 @@ pytestmark = [pytest.mark.tinker, pytest.mark.train]
 
 
 def _loaded(server: LocalServer) -> list[str]:
-    """The models the server holds (created and not unloaded)."""
+    """The models the server holds: created and not unloaded. A model whose creation failed holds nothing,
+    though SkyRL's table keeps its row as 'created' (skyrl/tinker/api.py create_model writes the row before its
+    engine runs the request, and the engine only marks the request failed)."""
+    query = (
+        "select m.model_id from models m join futures f on f.request_id = m.request_id "
+        "where m.status != 'unloaded' and lower(f.status) != 'failed'"
+    )
     with sqlite3.connect(server.workdir / "tinker.db") as db:
-        return [m for (m,) in db.execute("select model_id from models where status != 'unloaded'")]
+        return [m for (m,) in db.execute(query)]
 
 
 def _tinker(url: str) -> list[str]:
@@ -59,6 +67,20 @@ def test_verl_remote_tinker_passes_every_conformance_check(tinker_server: LocalS
     results = check_backend("tinker", [f"remote_backend.base_url={tinker_server.url}"])
     lines = "\n".join(result.line() for result in results)
     assert len(results) == 13 and all(result.ok for result in results), lines
+    assert live_actors() == []
+    assert _loaded(tinker_server) == []
+
+    # Full fine-tuning (lora_rank 0), which SkyRL's server does not offer: one line before any step.
+    config = compose_config([*_tinker(tinker_server.url), "remote_backend.lora_rank=0"])
+    resolve_demo_assets(config)
+    with pytest.raises(RuntimeError) as refused:
+        TinkerBackend.from_config(config)
+    said = str(refused.value)
+    assert said.startswith(
+        f"verl-remote-tinker: remote_backend.lora_rank=0 asks for full fine-tuning, which the service at "
+        f"{tinker_server.url} does not offer ("
+    ), said
+    assert "LoRA rank 0 must be between 1 and 32" in said and "\n" not in said, said
     assert live_actors() == []
     assert _loaded(tinker_server) == []
 

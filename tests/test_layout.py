@@ -1,5 +1,5 @@
-"""The house's rules that a reader relies on: backends use the face only, the face is the stable list and lazy,
-no function is too long to read. (The rooms' import order is `nox -s lint`'s import contracts.)"""
+"""The house's rules that a reader relies on: backends use the face only, the face is the stable list and lazy, no
+function is too long to read. (The rooms' import order is `nox -s lint`'s import contracts.)"""
 
 from __future__ import annotations
 
@@ -68,3 +68,14 @@ def test_the_face_is_the_stable_list_and_loads_nothing_until_asked() -> None:
     assert before == [] and after == ["verl_remote.kit.backend"]
     for name in verl_remote.__all__:  # each resolves (the classes verl runs import verl)
         assert getattr(verl_remote, name) is not None
+
+
+def test_no_function_in_src_is_longer_than_150_lines() -> None:
+    long = []
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 150:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_arctic.backend import ArcticBackend, as_dict
+from verl_arctic.backend import ArcticBackend
+from verl_arctic.jobs import as_dict
 from verl_remote import RemoteForwarderWorker
 
 __all__ = ["ArcticRLActorRolloutRefWorker", "from_dense", "to_dense"]

@@ -262,7 +262,7 @@ def test_a_launched_server_runs_under_verl_remotes_python_and_an_early_exit_show
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """comms.launch's `python` is the interpreter verl-remote runs under, whatever `python` PATH finds first."""
-    from verl_arctic.backend import launch_server
+    from verl_arctic.launch import launch_server
 
     other = tmp_path / "bin"
     other.mkdir()
@@ -335,7 +335,8 @@ def test_a_resume_destroys_only_the_jobs_the_server_shows_are_its_dead_runs(
     """Arctic numbers its jobs from 1 again after a restart, so a dead run's record may name another run's live
     jobs: the resume leaves them, says so, and cannot start beside them (one training job per server); the other
     run goes on. Without a restart, the record's jobs are the dead run's, and the resume destroys them."""
-    from verl_arctic.backend import JOBS_FILE, ArcticBackend
+    from verl_arctic.backend import ArcticBackend
+    from verl_arctic.record import JOBS_FILE
     from verl_remote.demo import resolve_demo_assets
     from verl_remote.discovery.compose import compose_config
 
@@ -354,7 +355,7 @@ def test_a_resume_destroys_only_the_jobs_the_server_shows_are_its_dead_runs(
         return [r.getMessage() for r in caplog.records if words in r.getMessage()]
 
     dead, other = tmp_path / "dead", tmp_path / "other"
-    caplog.set_level(logging.WARNING, logger="verl_arctic.backend")
+    caplog.set_level(logging.WARNING, logger="verl_arctic.record")
     with serving_test_server(generation, port=port):
         backend(dead).client.close()  # the run is killed: its jobs stay on the server, recorded in its folder
     recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]

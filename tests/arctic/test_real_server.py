@@ -146,8 +146,8 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     dead run's folder is resumed while this one trains: its resume leaves this run's jobs alone (it says so, and
     cannot start beside them), and this run goes on to its end.
     """
-    from verl_arctic.backend import JOBS_FILE
     from verl_arctic.client import ArcticError
+    from verl_arctic.record import JOBS_FILE
 
     settings = [
         "remote_backend=arctic",
@@ -167,7 +167,7 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         seen = "".join(read_until(proc, step_row(1)))
         held = arctic_jobs(arctic.url)
         assert set(held) == {str(job) for job in recorded.values()}  # the dead run's ids are this run's jobs now
-        caplog.set_level(logging.WARNING, logger="verl_arctic.backend")
+        caplog.set_level(logging.WARNING, logger="verl_arctic.record")
         with pytest.raises(ArcticError, match="HTTP 409: .*The server holds another run's sampling job"):
             _backend(dead, *settings)
         assert arctic_jobs(arctic.url) == held

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fastapi import Body, FastAPI, HTTPException, Response
+from fastapi import APIRouter, Body, FastAPI, HTTPException, Response
 
 from verl_arctic import wire
 from verl_arctic.routes import ENCODING, GENERATIONS
@@ -140,12 +140,16 @@ class Workers:
 
 @dataclass
 class State:
+    """The server's jobs and engines, and what its routes do: the routers below take each route's parameters as
+    its generation declares them and call these methods."""
+
     generation: str
     training_gpus: int
     sampling_gpus: int
     log_prob_gpus: int
     log_prob_engine: str
     colocate: bool
+    sampled_logprobs: bool = True
     jobs: dict[int, dict[str, Any]] = field(default_factory=dict)
     next_job_id: int = 1
     training: Workers | None = None
@@ -154,142 +158,113 @@ class State:
     log_prob_pool: Pool | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def main_generation(self) -> bool:
+        return self.generation == "main"
 
-def _verify(state: State, job_id: int, *types: str) -> dict[str, Any]:
-    """``_verify_job`` (0.1.2 rl/http_server.py:100-107, 0.1.4 common/http_server.py:125-132)."""
-    info = state.jobs.get(job_id)
-    if info is None:
-        raise HTTPException(404, f"Job {job_id} not found")
-    if info["job_type"] not in types:
-        raise HTTPException(400, f"Job {job_id} is not a {', '.join(types)} job")
-    return info
+    @property
+    def encoding(self) -> str:
+        return ENCODING[self.generation]
 
+    def binary(self, obj: Any) -> Response:
+        return Response(content=wire.encode(self.encoding, obj), media_type="application/octet-stream")
 
-def _split(
-    state: State, payload: Any, ranks: int, sp_size: int = 1
-) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """``http_split_batch``: the envelope unpacked, position ids rebuilt, rows cut per rank, ``dp_size`` set."""
-    batch, meta, processing = payload["batch"], dict(payload["meta"]), payload["processing"]  # KeyError: a 500
-    if state.generation == "main" and sp_size > 1:
-        raise ValueError(f"sequence-parallel data-plane is not implemented ... Got sp_size={sp_size}.")
-    batch = dict(batch)
-    if meta.get("drop_position_ids", False) and "position_ids" not in batch:
-        mask = batch.get("attention_mask")
-        if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
-            raise ValueError("Cannot reconstruct position_ids: a 2D [B, S] attention_mask is required")
-        mask = mask.long()
-        batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0) * mask
-    if meta.get("load_balancer", False):
-        # reorg_global_batch reads these; the reordering itself does not show in any answer.
-        for key in ("max_response_len", "max_token_len_per_gpu"):
-            meta[key]
-        meta.get("zorro_train_max_rollouts", meta["rollout_n"])
-    shards = split_rows(batch, ranks, state.generation)
-    meta["dp_size"] = ranks
-    meta["worker_return_tensors"] = True
-    return shards, meta, processing
+    def verify(self, job_id: int, *types: str) -> dict[str, Any]:
+        """``_verify_job`` (0.1.2 rl/http_server.py:100-107, 0.1.4 common/http_server.py:125-132)."""
+        info = self.jobs.get(job_id)
+        if info is None:
+            raise HTTPException(404, f"Job {job_id} not found")
+        if info["job_type"] not in types:
+            raise HTTPException(400, f"Job {job_id} is not a {', '.join(types)} job")
+        return info
 
+    def split(
+        self, payload: Any, ranks: int, sp_size: int = 1
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+        """``http_split_batch``: the envelope unpacked, position ids rebuilt, rows cut per rank, ``dp_size`` set."""
+        batch, meta, processing = payload["batch"], dict(payload["meta"]), payload["processing"]  # KeyError: a 500
+        if self.generation == "main" and sp_size > 1:
+            raise ValueError(f"sequence-parallel data-plane is not implemented ... Got sp_size={sp_size}.")
+        batch = dict(batch)
+        if meta.get("drop_position_ids", False) and "position_ids" not in batch:
+            mask = batch.get("attention_mask")
+            if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+                raise ValueError("Cannot reconstruct position_ids: a 2D [B, S] attention_mask is required")
+            mask = mask.long()
+            batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+        if meta.get("load_balancer", False):
+            # reorg_global_batch reads these; the reordering itself does not show in any answer.
+            for key in ("max_response_len", "max_token_len_per_gpu"):
+                meta[key]
+            meta.get("zorro_train_max_rollouts", meta["rollout_n"])
+        shards = split_rows(batch, ranks, self.generation)
+        meta["dp_size"] = ranks
+        meta["worker_return_tensors"] = True
+        return shards, meta, processing
 
-def _data_workers(state: State, job_id: int) -> tuple[dict[str, Any], Workers]:
-    info = state.jobs[job_id]  # Arctic looks the job up before verifying it: unknown is a KeyError, a 500
-    _verify(state, job_id, "training", "log_prob")
-    workers = state.log_prob if info["job_type"] == "log_prob" else state.training
-    if workers is None:
-        raise HTTPException(400, f"Job {job_id} ({info['job_type']}) has no DeepSpeed workers")
-    return info, workers
-
-
-def create_app(
-    generation: str,
-    *,
-    training_gpus: int = 1,
-    sampling_gpus: int = 1,
-    log_prob_gpus: int = 1,
-    log_prob_engine: str = "vllm",
-    colocate: bool = False,
-    sampled_logprobs: bool = True,
-) -> FastAPI:
-    """The FastAPI app of one protocol generation, as launched with Arctic's CLI flags of the same names.
-
-    ``sampled_logprobs=False`` is not Arctic's: it answers /generate without ``logprobs`` even when they are
-    asked for, as a sampler that cannot return them would, to test clients against such a service.
-    """
-    if generation not in GENERATIONS:
-        raise ValueError(f"unknown generation {generation!r}; known: {', '.join(GENERATIONS)}")
-    if training_gpus + sampling_gpus + log_prob_gpus == 0:
-        raise ValueError("At least one of --training-gpus, --sampling-gpus, --log-prob-gpus must be > 0")
-    state = State(generation, training_gpus, sampling_gpus, log_prob_gpus, log_prob_engine, colocate)
-    if log_prob_engine == "vllm":
-        state.log_prob_pool = Pool()
-    encoding = ENCODING[generation]
-    main_generation = generation == "main"
-    app = FastAPI(title="Arctic RL Local Server")
-    app.state.arctic = state
-
-    def binary(obj: Any) -> Response:
-        return Response(content=wire.encode(encoding, obj), media_type="application/octet-stream")
+    def data_workers(self, job_id: int) -> tuple[dict[str, Any], Workers]:
+        info = self.jobs[job_id]  # Arctic looks the job up before verifying it: unknown is a KeyError, a 500
+        self.verify(job_id, "training", "log_prob")
+        workers = self.log_prob if info["job_type"] == "log_prob" else self.training
+        if workers is None:
+            raise HTTPException(400, f"Job {job_id} ({info['job_type']}) has no DeepSpeed workers")
+        return info, workers
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "OK"}
-
-    @app.get("/status")
-    async def status() -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         return {
-            "training_gpus": state.training_gpus,
-            "sampling_gpus": state.sampling_gpus,
-            "log_prob_gpus": state.log_prob_gpus,
-            "jobs": dict(state.jobs),
+            "training_gpus": self.training_gpus,
+            "sampling_gpus": self.sampling_gpus,
+            "log_prob_gpus": self.log_prob_gpus,
+            "jobs": dict(self.jobs),
         }
 
-    @app.get("/job/{job_id}")
-    async def job_info(job_id: int) -> dict[str, Any]:
-        info = state.jobs.get(job_id)
+    def job_info(self, job_id: int) -> dict[str, Any]:
+        info = self.jobs.get(job_id)
         if info is None:
             raise HTTPException(404, f"Job {job_id} not found")
         return info
 
-    def initialize(job: JobConfig) -> dict[str, Any]:
+    def initialize(self, job: JobConfig) -> dict[str, Any]:
         """0.1.2 rl/http_server.py:120-329, 0.1.4 common/http_server.py:145-354."""
         job_type = job.job_type
-        with state.lock:
-            job_id = state.next_job_id
-            state.next_job_id += 1
+        with self.lock:
+            job_id = self.next_job_id
+            self.next_job_id += 1
             engine = None
             if job_type == "training":
-                if state.training_gpus == 0:
+                if self.training_gpus == 0:
                     raise HTTPException(400, "No training GPUs configured")
-                if state.training is not None:
+                if self.training is not None:
                     raise HTTPException(409, "Training job already running")
-                if main_generation and job.checkpoint_path is None:
+                if self.main_generation and job.checkpoint_path is None:
                     raise HTTPException(400, "checkpoint_path is required for training jobs")
-                setup = deepspeed_setup(job.model_dump(), generation, state.training_gpus)  # refusal: a 500
+                setup = deepspeed_setup(job.model_dump(), self.generation, self.training_gpus)  # refusal: a 500
                 model = JobModel(job.model_name, seed=job.seed, setup=setup)
-                state.training = Workers(model, state.training_gpus)
+                self.training = Workers(model, self.training_gpus)
                 # v0.1 asserts the checkpoint path only now, with the workers kept: the next training job is a 409.
                 assert job.checkpoint_path is not None, "checkpoint_path is required for training jobs"
             elif job_type == "sampling":
-                if state.sampling_gpus == 0:
+                if self.sampling_gpus == 0:
                     raise HTTPException(400, "No sampling GPUs configured")
-                if state.sampling.config is not None:
+                if self.sampling.config is not None:
                     raise HTTPException(409, "Sampling job already running")
                 config = _model_config(job.model_name, job.vllm_config)
-                state.sampling.config = config  # set before the engines load, as ReplicaPool.initialize does
-                state.sampling.model = JobModel(job.model_name, seed=job.seed)
+                self.sampling.config = config  # set before the engines load, as ReplicaPool.initialize does
+                self.sampling.model = JobModel(job.model_name, seed=job.seed)
             elif job_type == "log_prob":
-                if state.log_prob_gpus == 0:
+                if self.log_prob_gpus == 0:
                     raise HTTPException(400, "No log-prob GPUs configured")
                 if job.ds_config is not None:
-                    if state.log_prob is not None:
+                    if self.log_prob is not None:
                         raise HTTPException(409, "Log-prob job already running")
-                    reference_setup(job.model_dump(), generation)  # refusal: a 500
-                    model = JobModel(job.model_name, seed=job.seed, world=state.log_prob_gpus)
-                    state.log_prob = Workers(model, state.log_prob_gpus, tokenizer=model.tokenizer)
+                    reference_setup(job.model_dump(), self.generation)  # refusal: a 500
+                    model = JobModel(job.model_name, seed=job.seed, world=self.log_prob_gpus)
+                    self.log_prob = Workers(model, self.log_prob_gpus, tokenizer=model.tokenizer)
                     engine = "deepspeed"
                 else:
-                    pool = state.log_prob_pool
+                    pool = self.log_prob_pool
                     if pool is None:  # launched with --log-prob-engine deepspeed: Arctic reads None._config
                         raise AttributeError("'NoneType' object has no attribute '_config'")
                     if pool.config is not None:
@@ -320,95 +295,81 @@ def create_app(
                 if isinstance(job, JobConfigMain):
                     info["cuda_ipc"] = job.cuda_ipc
                     info["low_memory"] = job.low_memory
-            state.jobs[job_id] = info
+            self.jobs[job_id] = info
         return {"job_id": job_id, "job_type": job_type, "running": True}
 
-    if main_generation:
-
-        @app.post("/initialize")
-        def initialize_main(job_config: JobConfigMain = Body(...)) -> dict[str, Any]:  # noqa: B008
-            return initialize(job_config)
-
-    else:
-
-        @app.post("/initialize")
-        def initialize_v01(job_config: JobConfig = Body(...)) -> dict[str, Any]:  # noqa: B008
-            return initialize(job_config)
-
-    @app.post("/destroy")
-    def destroy(job_id: int, job_type: str = Body(..., embed=True)) -> dict[str, Any]:
-        with state.lock:
-            info = state.jobs.pop(job_id, None)
+    def destroy(self, job_id: int) -> dict[str, Any]:
+        with self.lock:
+            info = self.jobs.pop(job_id, None)
             if info is None:
                 raise HTTPException(404, f"Job {job_id} not found")
             if info["job_type"] == "training":
-                state.training = None
+                self.training = None
             elif info["job_type"] == "sampling":
-                state.sampling = Pool()
+                self.sampling = Pool()
             elif info.get("engine") == "deepspeed":
-                state.log_prob = None
-            elif state.log_prob_pool is not None:
-                state.log_prob_pool = Pool()
+                self.log_prob = None
+            elif self.log_prob_pool is not None:
+                self.log_prob_pool = Pool()
         return {"job_id": job_id}
 
     # -- the data plane ----------------------------------------------------------------------------
 
-    def forward_backward(job_id: int, body: bytes) -> Response:
-        _verify(state, job_id, "training")
-        assert state.training is not None
-        workers = state.training
-        shards, meta, processing = _split(
-            state, wire.decode(encoding, body), workers.world, state.jobs[job_id].get("sp_size", 1)
+    def forward_backward(self, job_id: int, body: bytes) -> Response:
+        self.verify(job_id, "training")
+        assert self.training is not None
+        workers = self.training
+        shards, meta, processing = self.split(
+            wire.decode(self.encoding, body), workers.world, self.jobs[job_id].get("sp_size", 1)
         )
-        with state.lock:
-            results = [workers.model.forward_backward(s, meta, processing, generation) for s in shards]
+        with self.lock:
+            results = [workers.model.forward_backward(s, meta, processing, self.generation) for s in shards]
             for _ in range(results[0]["micro_batches"] - 1):
                 workers.model.step()  # the workers' engine.step() after every micro-batch but the last
-        metrics = combine_rank_metrics([r["metrics"] for r in results], generation)
-        if main_generation and "loss" in metrics:  # finalize_fwd_bwd_metrics
+        metrics = combine_rank_metrics([r["metrics"] for r in results], self.generation)
+        if self.main_generation and "loss" in metrics:  # finalize_fwd_bwd_metrics
             avg_loss = float(metrics["loss"])
         else:  # v0.1 sums the ranks' mean micro-batch losses (rl/http_server.py:388-389)
             avg_loss = float(sum(r["avg_loss"] for r in results))
         answer: dict[str, Any] = {"job_id": job_id, "metrics": metrics, "avg_loss": avg_loss}
-        if main_generation and meta.get("return_fwd_batch", False):
+        if self.main_generation and meta.get("return_fwd_batch", False):
             raise NotImplementedError("return_fwd_batch: the test server does not return the update's batch")
-        return binary(answer)
+        return self.binary(answer)
 
-    def forward(job_id: int, body: bytes) -> Response:
-        info, workers = _data_workers(state, job_id)
-        shards, meta, processing = _split(state, wire.decode(encoding, body), workers.world, info.get("sp_size", 1))
-        with state.lock:
-            results = [workers.model.forward(s, meta, processing, generation) for s in shards]
+    def forward(self, job_id: int, body: bytes) -> Response:
+        info, workers = self.data_workers(job_id)
+        shards, meta, processing = self.split(wire.decode(self.encoding, body), workers.world, info.get("sp_size", 1))
+        with self.lock:
+            results = [workers.model.forward(s, meta, processing, self.generation) for s in shards]
         answer: dict[str, Any] = {"job_id": job_id, "batch": merge_shards([r["batch"] for r in results])}
-        if main_generation:
-            answer["metrics"] = combine_rank_metrics([r["metrics"] for r in results], generation)
+        if self.main_generation:
+            answer["metrics"] = combine_rank_metrics([r["metrics"] for r in results], self.generation)
             answer["avg_loss"] = 0.0
         else:
             answer["metrics"] = merge_shards([r["metrics"] for r in results])
-        return binary(answer)
+        return self.binary(answer)
 
-    def step(job_id: int) -> dict[str, Any]:
-        _verify(state, job_id, "training")
-        assert state.training is not None
-        with state.lock:
-            rank = state.training.model.step()
-        ranks = [rank] * state.training.world  # every rank reports the same numbers after the same step
+    def step(self, job_id: int) -> dict[str, Any]:
+        self.verify(job_id, "training")
+        assert self.training is not None
+        with self.lock:
+            rank = self.training.model.step()
+        ranks = [rank] * self.training.world  # every rank reports the same numbers after the same step
         return {
             "job_id": job_id,
             "metrics": merge_shards([r["metrics"] for r in ranks]),
             "batch": merge_shards([r["batch"] for r in ranks]),
         }
 
-    @app.post("/empty-training-cache")
-    def empty_training_cache(job_id: int) -> dict[str, Any]:
-        _verify(state, job_id, "training")
-        assert state.training is not None
-        return {"job_id": job_id, "workers": [{"gpu_mb": 0.0}] * state.training.world}
+    def empty_training_cache(self, job_id: int) -> dict[str, Any]:
+        self.verify(job_id, "training")
+        assert self.training is not None
+        return {"job_id": job_id, "workers": [{"gpu_mb": 0.0}] * self.training.world}
 
-    def sleep_training(job_id: int, mode: str) -> dict[str, Any]:
-        _verify(state, job_id, "training")
-        assert state.training is not None
-        workers = state.training
+    def sleep_training(self, job_id: int, mode: str) -> dict[str, Any]:
+        self.verify(job_id, "training")
+        assert self.training is not None
+        workers = self.training
         if mode in ("non_lp", "lp_params"):
             status = {"non_lp": "offloaded_non_lp", "lp_params": "offloaded_lp"}[mode]
         elif not workers.on_gpu:
@@ -421,17 +382,17 @@ def create_app(
         )
         return {"job_id": job_id, "workers": [per_rank] * workers.world}
 
-    def wake_training(job_id: int) -> dict[str, Any]:
-        _verify(state, job_id, "training")
-        assert state.training is not None
-        workers = state.training
+    def wake_training(self, job_id: int) -> dict[str, Any]:
+        self.verify(job_id, "training")
+        assert self.training is not None
+        workers = self.training
         per_rank = {"status": "already_on_gpu"} if workers.on_gpu else {"status": "on_gpu", "elapsed": 0.0}
         workers.on_gpu = True
         return {"job_id": job_id, "workers": [per_rank] * workers.world}
 
-    def log_prob_offload(job_id: int, to_gpu: bool) -> dict[str, Any]:
-        _verify(state, job_id, "log_prob")
-        workers = state.log_prob
+    def log_prob_offload(self, job_id: int, to_gpu: bool) -> dict[str, Any]:
+        self.verify(job_id, "log_prob")
+        workers = self.log_prob
         if workers is None:  # a vLLM log-prob job: nothing to offload
             return {"job_id": job_id, "workers": []}
         if to_gpu:
@@ -445,66 +406,57 @@ def create_app(
         workers.on_gpu = to_gpu
         return {"job_id": job_id, "workers": [per_rank] * workers.world}
 
-    @app.post("/sleep-log-prob")
-    def sleep_log_prob(job_id: int) -> dict[str, Any]:
-        return log_prob_offload(job_id, to_gpu=False)
-
-    @app.post("/wake-log-prob")
-    def wake_log_prob(job_id: int) -> dict[str, Any]:
-        return log_prob_offload(job_id, to_gpu=True)
-
     # -- sampling --------------------------------------------------------------------------------
 
-    def pools() -> list[tuple[str, Pool]]:
-        found = [("sampling", state.sampling)]
-        if state.log_prob_pool is not None and state.log_prob_pool.config is not None:
-            found.append(("log_prob", state.log_prob_pool))
+    def pools(self) -> list[tuple[str, Pool]]:
+        found = [("sampling", self.sampling)]
+        if self.log_prob_pool is not None and self.log_prob_pool.config is not None:
+            found.append(("log_prob", self.log_prob_pool))
         return found
 
-    def sleep_inference(job_id: int, level: int) -> dict[str, Any]:
-        _verify(state, job_id, "sampling")
-        results = {"sampling": state.sampling.sleep(level)}
-        lp = state.log_prob_pool
+    def sleep_inference(self, job_id: int, level: int) -> dict[str, Any]:
+        self.verify(job_id, "sampling")
+        results = {"sampling": self.sampling.sleep(level)}
+        lp = self.log_prob_pool
         if lp is not None and lp.config is not None and not lp.sleeping:
             results["log_prob"] = lp.sleep(level)
         return {"job_id": job_id, **results}
 
-    def wake_inference(job_id: int, tags: list[str] | None) -> dict[str, Any]:
-        _verify(state, job_id, "sampling")
-        results = {"sampling": state.sampling.wake(tags)}
-        lp = state.log_prob_pool
+    def wake_inference(self, job_id: int, tags: list[str] | None) -> dict[str, Any]:
+        self.verify(job_id, "sampling")
+        results = {"sampling": self.sampling.wake(tags)}
+        lp = self.log_prob_pool
         if lp is not None and lp.config is not None and lp.sleeping:
             results["log_prob"] = lp.wake(tags)
         return {"job_id": job_id, **results}
 
-    def reset_prefix_cache(job_id: int) -> dict[str, Any]:
-        _verify(state, job_id, "sampling")
+    def reset_prefix_cache(self, job_id: int) -> dict[str, Any]:
+        self.verify(job_id, "sampling")
         results = {}
-        for name, pool in pools():
+        for name, pool in self.pools():
             pool.require()
             results[name] = {"status": "prefix_cache_reset"}
         return {"job_id": job_id, **results}
 
-    def generate(job_id: int, prompts: list[str], params: dict[str, Any] | None) -> dict[str, Any]:
-        _verify(state, job_id, "sampling")
-        model = state.sampling.require()
-        if state.sampling.sleeping:
+    def generate(self, job_id: int, prompts: list[str], params: dict[str, Any] | None) -> dict[str, Any]:
+        self.verify(job_id, "sampling")
+        model = self.sampling.require()
+        if self.sampling.sleeping:
             raise RuntimeError("Model is sleeping; call /wake_up first")
-        with state.lock:
+        with self.lock:
             results = [model.generate(prompt, dict(params or {})) for prompt in prompts]
-        if not sampled_logprobs:
+        if not self.sampled_logprobs:
             for result in results:
                 result.pop("logprobs", None)
         return {"job_id": job_id, "results": results}
 
-    @app.post("/weight-norm")
-    def weight_norm(request: WeightNormRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
-        _verify(state, request.training_job_id, "training")
-        _verify(state, request.sampling_job_id, "sampling")
-        assert state.training is not None
-        sampling = state.sampling.require()
-        with state.lock:
-            training_norm, training_count = state.training.model.weight_norm()
+    def weight_norm(self, request: WeightNormRequest) -> dict[str, Any]:
+        self.verify(request.training_job_id, "training")
+        self.verify(request.sampling_job_id, "sampling")
+        assert self.training is not None
+        sampling = self.sampling.require()
+        with self.lock:
+            training_norm, training_count = self.training.model.weight_norm()
             sampling_norm, sampling_count = sampling.weight_norm()
         return {  # both count parameter tensors (vLLM's fused layers have fewer than Hugging Face's)
             "training_norm": training_norm,
@@ -513,126 +465,80 @@ def create_app(
             "sampling_num_params": sampling_count,
         }
 
-    def sync(training_job: int, sampling_job: int) -> dict[str, Any]:
-        _verify(state, training_job, "training")
-        _verify(state, sampling_job, "sampling")
-        assert state.training is not None
-        sampling = state.sampling.require()
-        with state.lock:
-            sampling.load_weights_from(state.training.model)
+    def sync(self, training_job: int, sampling_job: int) -> dict[str, Any]:
+        self.verify(training_job, "training")
+        self.verify(sampling_job, "sampling")
+        assert self.training is not None
+        sampling = self.sampling.require()
+        with self.lock:
+            sampling.load_weights_from(self.training.model)
         return {"job_id": training_job, "status": "ok"}
 
-    def log_probs(job_id: int, request: LogProbsRequest) -> Response:
+    def weight_sync(self, request: WeightSyncRequest) -> dict[str, Any]:
+        return self.sync(request.source_sub_job_id, request.target_sub_job_ids[0])
+
+    def operation(self, job_id: int, request: OperationRequest) -> dict[str, Any]:
+        """0.1.4 common/http_server.py:608-624: models built from ``payload`` fail as 500s, not 422s."""
+        payload = request.payload or {}
+        if request.operation_type == "weight-sync":
+            return self.weight_sync(WeightSyncRequest(**payload))
+        if request.operation_type == "reset-prefix-cache":
+            ResetPrefixCacheRequest(**payload)
+            return self.reset_prefix_cache(job_id)
+        if request.operation_type == "sleep-inference":
+            return self.sleep_inference(job_id, payload.get("level", 1))
+        if request.operation_type == "wake-inference":
+            return self.wake_inference(job_id, payload.get("tags"))
+        raise HTTPException(status_code=400, detail=f"unknown operation_type {request.operation_type!r}")
+
+    def log_probs(self, job_id: int, request: LogProbsRequest) -> Response:
         """/log-probs (0.1.2 rl/http_server.py:952-983, 0.1.4 common/http_server.py:933-961)."""
-        _verify(state, job_id, "log_prob")
-        info = state.jobs[job_id]
+        self.verify(job_id, "log_prob")
+        info = self.jobs[job_id]
         texts = request.prompts
         if request.completions is not None:
             texts = [p + c for p, c in zip(request.prompts, request.completions, strict=False)]
         if info.get("engine") == "deepspeed":
-            assert state.log_prob is not None
-            encoded = dict(state.log_prob.tokenizer(texts, return_tensors="pt", padding=True))
-            shards = split_rows(encoded, state.log_prob.world, generation)
-            with state.lock:
-                results: Any = torch.cat([state.log_prob.model.log_probs_of_encoded(s) for s in shards], dim=0)
+            assert self.log_prob is not None
+            encoded = dict(self.log_prob.tokenizer(texts, return_tensors="pt", padding=True))
+            shards = split_rows(encoded, self.log_prob.world, self.generation)
+            with self.lock:
+                results: Any = torch.cat([self.log_prob.model.log_probs_of_encoded(s) for s in shards], dim=0)
         else:
-            assert state.log_prob_pool is not None
-            model = state.log_prob_pool.require()
+            assert self.log_prob_pool is not None
+            model = self.log_prob_pool.require()
             params = {"max_tokens": 1, "temperature": 0, "prompt_logprobs": request.top_k}
-            with state.lock:
+            with self.lock:
                 results = [model.generate(text, params) for text in texts]
-        return binary({"job_id": job_id, "results": results})
+        return self.binary({"job_id": job_id, "results": results})
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    # -- the routes of each generation ------------------------------------------------------------
+    def save_checkpoint(self, job_id: int) -> dict[str, Any]:
+        """v0.1's /save-checkpoint: the job's own folder."""
+        info = self.verify(job_id, "training")
+        path = info.get("checkpoint_path")
+        assert path is not None, f"checkpoint_path is required for training job {job_id}"
+        assert self.training is not None
+        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            self.training.model.save(path)
+        return {"job_id": job_id, "path": path}
 
-    if not main_generation:
-
-        @app.post("/fwd-bwd")
-        def fwd_bwd(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-            return forward_backward(job_id, body)
-
-        @app.post("/fwd-no-grad")
-        def fwd_no_grad(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-            return forward(job_id, body)
-
-        @app.post("/step")
-        def step_v01(job_id: int) -> dict[str, Any]:
-            return step(job_id)
-
-        @app.post("/save-checkpoint")
-        def save_checkpoint(job_id: int) -> dict[str, Any]:
-            info = _verify(state, job_id, "training")
-            path = info.get("checkpoint_path")
-            assert path is not None, f"checkpoint_path is required for training job {job_id}"
-            assert state.training is not None
-            pathlib.Path(path).mkdir(parents=True, exist_ok=True)
-            with state.lock:
-                state.training.model.save(path)
-            return {"job_id": job_id, "path": path}
-
-        @app.post("/sleep-inference")
-        def sleep_inference_v01(job_id: int, level: int) -> dict[str, Any]:
-            return sleep_inference(job_id, level)
-
-        @app.post("/wake-inference")
-        def wake_inference_v01(job_id: int, tags: list[str] | None = None) -> dict[str, Any]:
-            return wake_inference(job_id, tags)
-
-        @app.post("/reset-prefix-cache")
-        def reset_prefix_cache_v01(job_id: int) -> dict[str, Any]:
-            return reset_prefix_cache(job_id)
-
-        @app.post("/sleep-training")
-        def sleep_training_v01(job_id: int, mode: str = "all") -> dict[str, Any]:
-            return sleep_training(job_id, mode)
-
-        @app.post("/wake-training")
-        def wake_training_v01(job_id: int) -> dict[str, Any]:
-            return wake_training(job_id)
-
-        @app.post("/generate")
-        def generate_v01(job_id: int, request: GenerateRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
-            return generate(job_id, request.prompts, request.sampling_params)
-
-        @app.post("/sync-weights")
-        def sync_weights(request: SyncWeightsRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
-            return sync(request.training_job_id, request.sampling_job_id)
-
-        @app.post("/log-probs")
-        def log_probs_v01(job_id: int, request: LogProbsRequest = Body(...)) -> Response:  # noqa: B008
-            return log_probs(job_id, request)
-
-        return app
-
-    @app.post("/forward-backward")
-    def forward_backward_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-        return forward_backward(job_id, body)
-
-    @app.post("/forward")
-    def forward_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-        return forward(job_id, body)
-
-    @app.post("/step")
-    def step_main(job_id: int, request: StepRequest = Body(default=StepRequest())) -> dict[str, Any]:  # noqa: B008
-        return step(job_id)  # learning_rate is accepted and not applied, as on Arctic
-
-    @app.post("/save")
-    def save(job_id: int, request: SaveRequest = Body(default=SaveRequest())) -> dict[str, Any]:  # noqa: B008
+    def save(self, job_id: int, request: SaveRequest) -> dict[str, Any]:
         """0.1.4 common/http_server.py:496-522."""
-        info = _verify(state, job_id, "training")
+        info = self.verify(job_id, "training")
         root = request.path or info.get("checkpoint_path")
         assert root is not None, f"checkpoint_path is required for training job {job_id}"
-        assert state.training is not None
+        assert self.training is not None
         directory = os.path.join(root, f"checkpoint-{int(request.step)}") if request.step is not None else root
         pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
-        with state.lock:
-            state.training.model.save(directory)
+        with self.lock:
+            self.training.model.save(directory)
         if request.export_hf:
             hf = os.path.join(directory, "hf")
-            state.training.model.model.save_pretrained(hf)
-            state.training.model.tokenizer.save_pretrained(hf)
+            self.training.model.model.save_pretrained(hf)
+            self.training.model.tokenizer.save_pretrained(hf)
         if request.step is not None:
             pathlib.Path(root, "latest").write_text(str(int(request.step)))
         if request.save_total_limit is not None and int(request.save_total_limit) > 0:
@@ -641,19 +547,15 @@ def create_app(
             "job_id": job_id,
             "path": directory,
             "hf_path": os.path.join(directory, "hf") if request.export_hf else None,
-            "global_step": state.training.model.global_steps,
+            "global_step": self.training.model.global_steps,
         }
 
-    @app.post("/load-checkpoint")
-    def load_checkpoint(
-        job_id: int,
-        request: LoadCheckpointRequest = Body(default=LoadCheckpointRequest()),  # noqa: B008
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, job_id: int, request: LoadCheckpointRequest) -> dict[str, Any]:
         """0.1.4 common/http_server.py:525-545: a missing checkpoint loads nothing and answers step 0."""
-        info = _verify(state, job_id, "training")
+        info = self.verify(job_id, "training")
         path = request.path or info.get("checkpoint_path")
         assert path is not None, f"checkpoint_path is required for training job {job_id}"
-        assert state.training is not None
+        assert self.training is not None
         if request.step is not None:
             path = str(pathlib.Path(path) / f"checkpoint-{int(request.step)}")
         elif request.path is None:
@@ -661,11 +563,156 @@ def create_app(
             if latest.is_file():
                 with contextlib.suppress(ValueError):
                     path = str(pathlib.Path(path) / f"checkpoint-{int(latest.read_text().strip())}")
-        with state.lock:
-            loaded = state.training.model.load(path)
-        return {"job_id": job_id, "path": path, "global_step": state.training.model.global_steps if loaded else 0}
+        with self.lock:
+            loaded = self.training.model.load(path)
+        return {"job_id": job_id, "path": path, "global_step": self.training.model.global_steps if loaded else 0}
 
-    @app.post("/sleep-inference")
+
+# -- the routes ------------------------------------------------------------------------------------
+#
+# One router per protocol generation, and one for the routes both declare alike, mirroring the table in
+# verl_arctic/routes.py. The endpoints keep the names, parameter declarations and docstrings they have always
+# had: FastAPI serves all three in /openapi.json (operation ids, body schema names, descriptions), and the
+# declarations decide what is a query parameter, what a body, and which requests are answered with a 422.
+
+
+def _routes_common(state: State) -> APIRouter:
+    """The routes both generations declare alike (``/initialize`` with each generation's job model)."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "OK"}
+
+    @router.get("/status")
+    async def status() -> dict[str, Any]:
+        return state.status()
+
+    @router.get("/job/{job_id}")
+    async def job_info(job_id: int) -> dict[str, Any]:
+        return state.job_info(job_id)
+
+    if state.main_generation:
+
+        @router.post("/initialize")
+        def initialize_main(job_config: JobConfigMain = Body(...)) -> dict[str, Any]:  # noqa: B008
+            return state.initialize(job_config)
+
+    else:
+
+        @router.post("/initialize")
+        def initialize_v01(job_config: JobConfig = Body(...)) -> dict[str, Any]:  # noqa: B008
+            return state.initialize(job_config)
+
+    @router.post("/destroy")
+    def destroy(job_id: int, job_type: str = Body(..., embed=True)) -> dict[str, Any]:
+        return state.destroy(job_id)
+
+    @router.post("/empty-training-cache")
+    def empty_training_cache(job_id: int) -> dict[str, Any]:
+        return state.empty_training_cache(job_id)
+
+    @router.post("/sleep-log-prob")
+    def sleep_log_prob(job_id: int) -> dict[str, Any]:
+        return state.log_prob_offload(job_id, to_gpu=False)
+
+    @router.post("/wake-log-prob")
+    def wake_log_prob(job_id: int) -> dict[str, Any]:
+        return state.log_prob_offload(job_id, to_gpu=True)
+
+    @router.post("/weight-norm")
+    def weight_norm(request: WeightNormRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+        return state.weight_norm(request)
+
+    return router
+
+
+def _routes_v01(state: State) -> APIRouter:
+    """Generation v0.1 (arctic-platform 0.1.2 rl/http_server.py): parameters in the query, JSON bodies."""
+    router = APIRouter()
+
+    @router.post("/fwd-bwd")
+    def fwd_bwd(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
+        return state.forward_backward(job_id, body)
+
+    @router.post("/fwd-no-grad")
+    def fwd_no_grad(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
+        return state.forward(job_id, body)
+
+    @router.post("/step")
+    def step_v01(job_id: int) -> dict[str, Any]:
+        return state.step(job_id)
+
+    @router.post("/save-checkpoint")
+    def save_checkpoint(job_id: int) -> dict[str, Any]:
+        return state.save_checkpoint(job_id)
+
+    @router.post("/sleep-inference")
+    def sleep_inference_v01(job_id: int, level: int) -> dict[str, Any]:
+        return state.sleep_inference(job_id, level)
+
+    @router.post("/wake-inference")
+    def wake_inference_v01(job_id: int, tags: list[str] | None = None) -> dict[str, Any]:
+        return state.wake_inference(job_id, tags)
+
+    @router.post("/reset-prefix-cache")
+    def reset_prefix_cache_v01(job_id: int) -> dict[str, Any]:
+        return state.reset_prefix_cache(job_id)
+
+    @router.post("/sleep-training")
+    def sleep_training_v01(job_id: int, mode: str = "all") -> dict[str, Any]:
+        return state.sleep_training(job_id, mode)
+
+    @router.post("/wake-training")
+    def wake_training_v01(job_id: int) -> dict[str, Any]:
+        return state.wake_training(job_id)
+
+    @router.post("/generate")
+    def generate_v01(job_id: int, request: GenerateRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+        return state.generate(job_id, request.prompts, request.sampling_params)
+
+    @router.post("/sync-weights")
+    def sync_weights(request: SyncWeightsRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
+        return state.sync(request.training_job_id, request.sampling_job_id)
+
+    @router.post("/log-probs")
+    def log_probs_v01(job_id: int, request: LogProbsRequest = Body(...)) -> Response:  # noqa: B008
+        return state.log_probs(job_id, request)
+
+    return router
+
+
+def _routes_main(state: State) -> APIRouter:
+    """Generation main (arctic-platform 0.1.4 common/http_server.py): optional JSON bodies beside the query,
+    DSSST1 generation, checkpoints by step, /operation."""
+    router = APIRouter()
+
+    @router.post("/forward-backward")
+    def forward_backward_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
+        return state.forward_backward(job_id, body)
+
+    @router.post("/forward")
+    def forward_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
+        return state.forward(job_id, body)
+
+    @router.post("/step")
+    def step_main(job_id: int, request: StepRequest = Body(default=StepRequest())) -> dict[str, Any]:  # noqa: B008
+        return state.step(job_id)  # learning_rate is accepted and not applied, as on Arctic
+
+    @router.post("/save")
+    def save(job_id: int, request: SaveRequest = Body(default=SaveRequest())) -> dict[str, Any]:  # noqa: B008
+        """0.1.4 common/http_server.py:496-522."""
+        return state.save(job_id, request)
+
+    @router.post("/load-checkpoint")
+    def load_checkpoint(
+        job_id: int,
+        request: LoadCheckpointRequest = Body(default=LoadCheckpointRequest()),  # noqa: B008
+    ) -> dict[str, Any]:
+        """0.1.4 common/http_server.py:525-545: a missing checkpoint loads nothing and answers step 0."""
+        return state.load_checkpoint(job_id, request)
+
+    @router.post("/sleep-inference")
     def sleep_inference_main(
         job_id: int,
         level: int = 1,
@@ -673,21 +720,21 @@ def create_app(
     ) -> dict[str, Any]:
         if isinstance(body, dict) and body.get("level") is not None:
             level = int(body["level"])
-        return sleep_inference(job_id, level)
+        return state.sleep_inference(job_id, level)
 
-    @app.post("/wake-inference")
+    @router.post("/wake-inference")
     def wake_inference_main(job_id: int, body: Any = Body(None)) -> dict[str, Any]:  # noqa: B008
         tags = body.get("tags") if isinstance(body, dict) else body
-        return wake_inference(job_id, tags)
+        return state.wake_inference(job_id, tags)
 
-    @app.post("/reset-prefix-cache")
+    @router.post("/reset-prefix-cache")
     def reset_prefix_cache_main(
         job_id: int,
         request: ResetPrefixCacheRequest = Body(default=ResetPrefixCacheRequest()),  # noqa: B008
     ) -> dict[str, Any]:
-        return reset_prefix_cache(job_id)
+        return state.reset_prefix_cache(job_id)
 
-    @app.post("/sleep-training")
+    @router.post("/sleep-training")
     def sleep_training_main(
         job_id: int,
         mode: str = "all",
@@ -695,44 +742,60 @@ def create_app(
     ) -> dict[str, Any]:
         if isinstance(body, dict) and body.get("mode") is not None:
             mode = str(body["mode"])
-        return sleep_training(job_id, mode)
+        return state.sleep_training(job_id, mode)
 
-    @app.post("/wake-training")
+    @router.post("/wake-training")
     def wake_training_main(job_id: int, body: dict[str, Any] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
-        return wake_training(job_id)
+        return state.wake_training(job_id)
 
-    @app.post("/generate")
+    @router.post("/generate")
     def generate_main(job_id: int, body: bytes = Body(..., media_type="application/octet-stream")) -> Response:
-        _verify(state, job_id, "sampling")
-        request = GenerateRequestMain(**wire.decode(encoding, body))  # outside FastAPI's validation: a 500
-        return binary(generate(job_id, request.prompts, request.sampling_params))
+        state.verify(job_id, "sampling")
+        request = GenerateRequestMain(**wire.decode(state.encoding, body))  # outside FastAPI's validation: a 500
+        return state.binary(state.generate(job_id, request.prompts, request.sampling_params))
 
-    def weight_sync_main(request: WeightSyncRequest) -> dict[str, Any]:
-        return sync(request.source_sub_job_id, request.target_sub_job_ids[0])
-
-    @app.post("/weight-sync")
+    @router.post("/weight-sync")
     def weight_sync(job_id: int, request: WeightSyncRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
-        return weight_sync_main(request)
+        return state.weight_sync(request)
 
-    @app.post("/operation")
+    @router.post("/operation")
     def operation(job_id: int, request: OperationRequest = Body(...)) -> dict[str, Any]:  # noqa: B008
         """0.1.4 common/http_server.py:608-624: models built from ``payload`` fail as 500s, not 422s."""
-        payload = request.payload or {}
-        if request.operation_type == "weight-sync":
-            return weight_sync_main(WeightSyncRequest(**payload))
-        if request.operation_type == "reset-prefix-cache":
-            ResetPrefixCacheRequest(**payload)
-            return reset_prefix_cache(job_id)
-        if request.operation_type == "sleep-inference":
-            return sleep_inference(job_id, payload.get("level", 1))
-        if request.operation_type == "wake-inference":
-            return wake_inference(job_id, payload.get("tags"))
-        raise HTTPException(status_code=400, detail=f"unknown operation_type {request.operation_type!r}")
+        return state.operation(job_id, request)
 
-    @app.post("/log-probs")
+    @router.post("/log-probs")
     def log_probs_main(job_id: int, request: LogProbsRequest = Body(...)) -> Response:  # noqa: B008
-        return log_probs(job_id, request)
+        return state.log_probs(job_id, request)
 
+    return router
+
+
+def create_app(
+    generation: str,
+    *,
+    training_gpus: int = 1,
+    sampling_gpus: int = 1,
+    log_prob_gpus: int = 1,
+    log_prob_engine: str = "vllm",
+    colocate: bool = False,
+    sampled_logprobs: bool = True,
+) -> FastAPI:
+    """The FastAPI app of one protocol generation, as launched with Arctic's CLI flags of the same names.
+
+    ``sampled_logprobs=False`` is not Arctic's: it answers /generate without ``logprobs`` even when they are
+    asked for, as a sampler that cannot return them would, to test clients against such a service.
+    """
+    if generation not in GENERATIONS:
+        raise ValueError(f"unknown generation {generation!r}; known: {', '.join(GENERATIONS)}")
+    if training_gpus + sampling_gpus + log_prob_gpus == 0:
+        raise ValueError("At least one of --training-gpus, --sampling-gpus, --log-prob-gpus must be > 0")
+    state = State(generation, training_gpus, sampling_gpus, log_prob_gpus, log_prob_engine, colocate, sampled_logprobs)
+    if log_prob_engine == "vllm":
+        state.log_prob_pool = Pool()
+    app = FastAPI(title="Arctic RL Local Server")
+    app.state.arctic = state
+    app.include_router(_routes_common(state))
+    app.include_router(_routes_main(state) if state.main_generation else _routes_v01(state))
     return app
 
 

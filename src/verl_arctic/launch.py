@@ -1,0 +1,106 @@
+"""Launching the Arctic service a recipe names in ``remote_backend.comms.launch``: the port checked free, the
+command started (under this interpreter when it says ``python``), its stderr relayed to the run's log, and the
+wait until it answers ``/health``."""
+
+from __future__ import annotations
+
+import collections
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+
+__all__ = ["launch_server", "require_free_port"]
+
+
+def require_free_port(url: str) -> None:
+    """The port of ``url`` must be free for a launched service: otherwise it could not listen there, and the
+    run would talk to whatever does."""
+    import socket
+
+    port = httpx.URL(url).port or 80
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            raise ValueError(
+                f"remote_backend.comms.url={url}: port {port} is already taken, so the service that "
+                "remote_backend.comms.launch starts could not listen there and the run would talk to whatever "
+                "does; stop that process or give the launch command and the url another port"
+            ) from None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the launched server when the process that launched it dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class _Tail:
+    lines: collections.deque[str]
+    done: threading.Event
+
+
+def _relay_stderr(proc: subprocess.Popen[bytes], keep: int = 15) -> _Tail:
+    """Pass the launched server's stderr on to this process's (the run's log) and keep its last lines."""
+    tail = _Tail(collections.deque(maxlen=keep), threading.Event())
+
+    def relay() -> None:
+        assert proc.stderr is not None
+        try:
+            for raw in iter(proc.stderr.readline, b""):
+                line = raw.decode(errors="replace").rstrip()
+                tail.lines.append(line)
+                print(line, file=sys.stderr, flush=True)
+        finally:
+            tail.done.set()
+
+    threading.Thread(target=relay, name="arctic-server-stderr", daemon=True).start()
+    return tail
+
+
+def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[bytes]:
+    """Start the Arctic service with ``command`` and wait until ``url``/health answers.
+
+    The port must be free first: otherwise the launched service cannot listen and whatever already does
+    would answer in its place.
+    """
+    require_free_port(url)
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):
+        # The interpreter verl-remote runs under, with verl-arctic installed, not whichever is first on PATH
+        # (a virtual environment used by its path, not activated, is not on it).
+        argv[0] = sys.executable
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+    tail = _relay_stderr(proc)
+    deadline = time.monotonic() + timeout
+    while True:
+        code = proc.poll()
+        if code is not None:
+            proc.wait()
+            tail.done.wait(timeout=5)
+            last = "\n".join(tail.lines) or "(nothing on stderr)"
+            raise RuntimeError(
+                f"the Arctic server command {command!r} exited with code {code} before becoming healthy; "
+                f"its last lines on stderr:\n{last}"
+            )
+        try:
+            if httpx.get(f"{url.rstrip('/')}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise TimeoutError(
+                f"the Arctic server started with {command!r} was not healthy at {url} after {timeout:.0f}s"
+            )
+        time.sleep(0.5)

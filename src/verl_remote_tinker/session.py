@@ -4,7 +4,7 @@ The Tinker API orders a training client's requests by a per-client sequence numb
 checkpoint only as its first request (a resumed run gets a new model); a sampling session belongs to the
 session that made it. So one process owns the session, the training client, the current sampler and the
 base model's sampler, and the forwarder and the rollout servers call it: :class:`TinkerSession`, started by
-:class:`~verl_remote_tinker.backend.TinkerBackend` as a :class:`~verl_remote.kit.service.RayService`.
+:class:`~verl_remote_tinker.backend.TinkerBackend` as a :class:`~verl_remote.RayService`.
 
 Futures are used as the API means them: ``submit_forward_backward`` returns once the request is queued,
 ``optim_step`` queues the step behind it and waits for both, the sampler's weights are saved right after.

@@ -4,7 +4,7 @@
 targets; ``forward`` returns the log-prob of each target, which is verl's predict-next layout less its last
 position (0). The reference's come from a sampler of the base model (``compute_logprobs``), the LoRA off.
 
-**The update.** verl's loss (:func:`verl_remote.kit.compute.actor_loss`, whatever its policy loss, KL term and
+**The update.** verl's loss (:func:`verl_remote.actor_loss`, whatever its policy loss, KL term and
 aggregation) is a function of the current log-prob ``l_t`` of each response token. Its gradient with
 respect to the model is ``sum_t g_t * dl_t`` with ``g_t = dL/dl_t``, which the forwarder computes with torch
 from the log-probs the service returned. The service is then sent its own ``importance_sampling`` loss,

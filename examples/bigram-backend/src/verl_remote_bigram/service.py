@@ -2,7 +2,7 @@
 
 Stands in for your own training and sampling service. It keeps the weights, the optimizer and a frozen copy
 of the initial weights (the reference), and it answers in numpy arrays, the way a service over the network
-would. Its loss is verl's own, through verl_remote.kit.compute.actor_loss.
+would. Its loss is verl's own, through verl_remote.actor_loss.
 """
 
 from __future__ import annotations

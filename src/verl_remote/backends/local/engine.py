@@ -3,7 +3,7 @@
 It runs inside one Ray actor (see :mod:`verl_remote.backends.local.backend`) and
 owns the model, its optimizer and learning-rate schedule, and a frozen copy of
 the initial weights for reference log-probs. The policy update is verl's own,
-through :func:`verl_remote.kit.compute.actor_loss`, on log-probs computed here.
+through :func:`verl_remote.actor_loss`, on log-probs computed here.
 
 Batches arrive packed (see :mod:`verl_remote.kit.payload`): one flat array of token
 ids per field plus the sequence offsets, which is verl's jagged layout. Log-probs

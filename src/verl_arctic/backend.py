@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 
 from verl_arctic.client import ArcticClient, ArcticError, describe_answer, probe_generation
-from verl_arctic.jobs import as_dict, check_objective, job_configs, refusal_hint
+from verl_arctic.jobs import check_objective, job_configs, refusal_hint
 from verl_arctic.launch import launch_server, require_free_port
 from verl_arctic.record import JOBS_FILE, RUN_DIR_PREFIX, clean_up_after_a_dead_run
-from verl_remote import RemoteBackend, resumes_from_checkpoint
+from verl_remote import RemoteBackend, as_dict, resumes_from_checkpoint
 
 __all__ = ["ArcticBackend"]
 

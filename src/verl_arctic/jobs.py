@@ -12,17 +12,9 @@ import json
 import os
 from typing import Any
 
-from omegaconf import OmegaConf
+from verl_remote import as_dict
 
-__all__ = ["ARCTIC_LOSS", "as_dict", "check_objective", "job_configs", "refusal_hint"]
-
-
-def as_dict(node: Any) -> dict[str, Any]:
-    """A config section as a plain, resolved dict."""
-    value = OmegaConf.to_container(node, resolve=True)
-    if not isinstance(value, dict):
-        raise TypeError(f"expected a config mapping, got {type(value).__name__}")
-    return {str(k): v for k, v in value.items()}
+__all__ = ["ARCTIC_LOSS", "check_objective", "job_configs", "refusal_hint"]
 
 
 def _training_steps(config: Any, actor: dict[str, Any]) -> int | None:

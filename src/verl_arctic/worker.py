@@ -17,8 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_arctic.backend import ArcticBackend
-from verl_arctic.jobs import as_dict
-from verl_remote import RemoteForwarderWorker
+from verl_remote import RemoteForwarderWorker, as_dict
 
 __all__ = ["ArcticRLActorRolloutRefWorker", "from_dense", "to_dense"]
 

@@ -16,9 +16,8 @@ import os
 from typing import Any
 
 import httpx
-from omegaconf import OmegaConf
 
-from verl_remote import RayService, RemoteBackend, ServiceStartError, one_line, resources
+from verl_remote import RayService, RemoteBackend, ServiceStartError, as_dict, one_line, resources
 
 __all__ = ["TinkerBackend", "check_objective", "loss_reduction"]
 
@@ -27,14 +26,6 @@ log = logging.getLogger(__name__)
 #: What a checkpoint of this backend is, inside verl's ``global_step_N/actor`` folder.
 CHECKPOINT_FILE = "tinker_checkpoint.json"
 REDUCTIONS = ("sum", "sequence_mean")
-
-
-def as_dict(node: Any) -> dict[str, Any]:
-    """A config section as a plain, resolved dict."""
-    value = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
-    if not isinstance(value, dict):
-        raise TypeError(f"expected a config mapping, got {type(value).__name__}")
-    return {str(k): v for k, v in value.items()}
 
 
 def check_objective(actor: dict[str, Any], rollout: dict[str, Any]) -> None:

@@ -100,7 +100,7 @@ def test_a_mini_batch_that_does_not_divide_into_micro_batches_is_refused_with_th
 )
 def test_loss_settings_arctic_would_silently_replace_are_refused(key: str, value: str) -> None:
     actor = compose_config(["remote_backend=arctic", f"{key}={value}"]).actor_rollout_ref.actor
-    from verl_arctic.jobs import as_dict
+    from verl_remote import as_dict
 
     with pytest.raises(ValueError, match=rf"{key}={value}: Arctic's verl_grpo loss"):
         check_objective(as_dict(actor))

@@ -12,6 +12,8 @@ import nox
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
+# The suite runs the oldest tinker SDK of verl-remote-tinker's range (the fresh-venv test runs the newest).
+TEST_CONSTRAINTS = str(ROOT / "constraints" / "tests.txt")
 # The distributions this repository builds: verl-remote (the root), verl-arctic and verl-remote-tinker.
 DISTRIBUTIONS = [str(ROOT), str(ROOT / "dists" / "verl-arctic"), str(ROOT / "dists" / "verl-remote-tinker")]
 TEST_PACKAGES = [str(p) for p in sorted((ROOT / "tests" / "packages").iterdir()) if (p / "pyproject.toml").is_file()]
@@ -28,7 +30,9 @@ def tests(session: nox.Session) -> None:
     session.install("-c", CONSTRAINTS, "hatchling>=1.26", "pytest", "pytest-xdist")
     # The projects of this checkout, built with the hatchling above rather than in a new build environment each
     # (25 s less on every run; `nox -s build` builds them in isolation, as the package index would).
-    session.install("--no-build-isolation", "-c", CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES, *EXAMPLES)
+    session.install(
+        "--no-build-isolation", "-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS, *TEST_PACKAGES, *EXAMPLES
+    )
     # Two workers, a module to a worker at a time, the longest modules first (tests/conftest.py): on 2 cores the
     # suite takes about three quarters of its time in one process, as much of a run's start-up waits rather than
     # computes (docs/measurements.md). `-- -n 0` runs it in one process. It ends with the 15 slowest tests and

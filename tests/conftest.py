@@ -473,9 +473,11 @@ def tinker_server() -> Iterator[Any]:
     idempotent).
 
     Its Python 3.12 environment is built on first use (minutes; then cached under
-    ``~/.cache/verl-remote/tinker-server``); it serves verl-remote's demo model, which the runs also load.
+    ``~/.cache/verl-remote/tinker-server``); it serves verl-remote's demo model, which the runs also load (the
+    server's own default is the demo's model for LoRA, which the Tinker recipe trains).
     """
+    from verl_remote.demo.assets import ensure_demo_assets
     from verl_remote_tinker.testing.local_server import start_local_server
 
-    with start_local_server() as server:
+    with start_local_server(model=str(ensure_demo_assets().model_path)) as server:
         yield server

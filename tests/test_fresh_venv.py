@@ -21,10 +21,14 @@ from typing import Any
 
 import pytest
 import yaml
+from packaging.version import Version
 
 from conftest import ROOT, read_until, run, steps
 
 pytestmark = pytest.mark.slow
+
+#: The newest tinker SDK on the package index when verl-remote-tinker's range was last widened (<0.39).
+NEWEST_TINKER_AT_RELEASE = "0.38.0"
 
 
 def user_env() -> dict[str, str]:
@@ -137,6 +141,19 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         out = paste(train, checkout.folder, timeout=900)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert steps(out.stdout) == [0, 1, 2]
+
+        # The install brought the newest tinker SDK of verl-remote-tinker's range (the suite's environment runs the
+        # oldest, 0.25.0): every call the backend makes, a checkpoint saved and loaded included, with that SDK.
+        sdk = paste('.venv/bin/python -c "import tinker; print(tinker.__version__)"', checkout.folder, timeout=60)
+        assert Version(sdk.stdout.strip()) >= Version(NEWEST_TINKER_AT_RELEASE), sdk.stdout + sdk.stderr
+        checked = paste(  # on the model the server serves (the quick start's recipe trains it too)
+            ".venv/bin/verl-remote check tinker remote_backend.base_url=http://127.0.0.1:8000 "
+            "actor_rollout_ref.model.path=verl-remote://demo/lora-model",
+            checkout.folder,
+            900,
+        )
+        assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+        assert checked.stdout.strip().splitlines()[-1] == "check tinker: 13 passed, 0 failed", checked.stdout[-3000:]
     finally:
         server.send_signal(signal.SIGINT)  # Ctrl-C
         server.communicate(timeout=120)

@@ -181,6 +181,9 @@ class TinkerBackend(RemoteBackend):
             state = json.load(f)
         await _awaited(self.session.load.remote(state))
 
+    async def service_waits(self) -> dict[str, float]:
+        return dict(await _awaited(self.session.waits.remote()))
+
     async def destroy(self) -> None:
         import ray
 

@@ -24,8 +24,17 @@ from typing import Any
 import numpy as np
 
 from verl_remote import one_line
+from verl_remote_tinker import sdk
 
-__all__ = ["TinkerError", "TinkerSession", "adam_params", "lr_schedule"]
+__all__ = [
+    "SDK_RANGE",
+    "TinkerError",
+    "TinkerSession",
+    "WaitClock",
+    "adam_params",
+    "lr_schedule",
+    "version_refused",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,7 @@ class TinkerSession:
         self.cached: dict[tuple[int, ...], np.ndarray] = {}  # log-probs at weights_version, by row
         self.cached_version = -1
         self.wait_s = 0.0
+        self.clock = WaitClock()  # by phase of verl's step, for RemoteBackend.service_waits
         self.waiting: dict[Any, list[asyncio.Future[Any]]] = {}  # sample requests to send together
         self.flusher: asyncio.Future[None] | None = None
         self.sampling: set[asyncio.Future[None]] = set()
@@ -67,16 +77,22 @@ class TinkerSession:
 
     async def start(self) -> dict[str, Any]:
         """Connect, check the model is served, create the LoRA training client and both samplers."""
-        import tinker
-
         key = os.environ.get(str(self.settings["api_key_env"])) or NO_KEY
-        self.service = tinker.ServiceClient(
-            base_url=str(self.settings["base_url"]),
-            api_key=key,
-            timeout=float(self.settings["timeout_s"]),
-            max_retries=int(self.settings["max_retries"]),
+        self.pauses = sdk.PauseReporter(str(self.settings["base_url"]), float(self.settings["timeout_s"]))
+        self.pauses.install()
+        self.service = await self._call(
+            "connect",
+            asyncio.to_thread(
+                sdk.service_client,
+                str(self.settings["base_url"]),
+                key,
+                float(self.settings["timeout_s"]),
+                retries(self.settings),
+            ),
         )
-        capabilities = await self._call("get_server_capabilities", self.service.get_server_capabilities_async())
+        capabilities = await self._call(
+            "get_server_capabilities", sdk.capabilities(self.service, str(self.settings["base_url"]), key)
+        )
         served = [m.model_name for m in capabilities.supported_models]
         if served and self.base_model not in served:
             raise ValueError(
@@ -85,7 +101,9 @@ class TinkerSession:
             )
         self.training = await self._call(
             "create_model",
-            self.service.create_lora_training_client_async(
+            sdk.created(
+                self.service,
+                "create_lora_training_client",
                 base_model=self.base_model,
                 rank=int(self.settings["lora_rank"]),
                 seed=None if self.settings.get("lora_seed") is None else int(self.settings["lora_seed"]),
@@ -95,9 +113,11 @@ class TinkerSession:
             ),
         )
         self.model_ids.append(str(self.training.model_id))
+        self.pauses.watch(self.training, "training")
         self.base_sampler = await self._call(
-            "create_sampling_session", self.service.create_sampling_client_async(base_model=self.base_model)
+            "create_sampling_session", sdk.created(self.service, "create_sampling_client", base_model=self.base_model)
         )
+        self.pauses.watch(self.base_sampler, "sampling (base model)")
         await self.update_sampler()
         return {"model_id": str(self.training.model_id)}
 
@@ -111,7 +131,10 @@ class TinkerSession:
             except Exception as exc:  # the service may be gone; destroy must still finish
                 log.warning("verl-remote-tinker: could not unload model %s: %s", model_id, exc)
         self.model_ids = []
-        self.service.holder.close()
+        try:
+            await asyncio.wait_for(sdk.finish(self.service), UNLOAD_TIMEOUT_S)
+        except Exception as exc:  # the service may be gone; destroy must still finish
+            log.warning("verl-remote-tinker: could not end the session: %s", one_line(exc))
         self.service = None
 
     # -- log-probs ---------------------------------------------------------------------------------
@@ -136,7 +159,10 @@ class TinkerSession:
             for row in rows
         ]
         result = await self._call(
-            "forward", _submitted(self.training.forward_async(data, "cross_entropy")), timed=update
+            "forward",
+            sdk.requested(self.training, "forward", data, "cross_entropy"),
+            timed=update,
+            phase="update_actor" if update else "old_log_prob",
         )
         out = [np.asarray(o["logprobs"].data, dtype=np.float32) for o in result.loss_fn_outputs]
         if self.cached_version != self.weights_version:
@@ -150,7 +176,9 @@ class TinkerSession:
 
         async def one(row: Sequence[int]) -> np.ndarray:
             values = await self._call(
-                "compute_logprobs", self.base_sampler.compute_logprobs_async(types.ModelInput.from_ints(list(row)))
+                "compute_logprobs",
+                sdk.requested(self.base_sampler, "compute_logprobs", types.ModelInput.from_ints(list(row))),
+                phase="ref",
             )
             # Tinker answers one value per prompt token, the first None (nothing predicts it).
             values = list(values)[-(len(row) - 1) :]
@@ -177,7 +205,11 @@ class TinkerSession:
             for d in datums
         ]
         self.pending.append(
-            await self._call("forward_backward", self.training.forward_backward_async(data, "importance_sampling"))
+            await self._call(
+                "forward_backward",
+                sdk.submitted(self.training, "forward_backward", data, "importance_sampling"),
+                phase="update_actor",
+            )
         )
 
     async def optim_step(self) -> dict[str, float]:
@@ -186,11 +218,13 @@ class TinkerSession:
 
         lr = float(self.schedule.get_last_lr()[0])
         params = types.AdamParams(learning_rate=lr, **adam_params(self.optim))
-        step = await self._call("optim_step", self.training.optim_step_async(params), timed=True)
+        update = "update_actor"
+        submitted = sdk.submitted(self.training, "optim_step", params)
+        step = await self._call("optim_step", submitted, timed=True, phase=update)
         pending, self.pending = self.pending, []
         for future in pending:
-            await self._call("forward_backward", future.result_async(), timed=True)
-        result = await self._call("optim_step", step.result_async(), timed=True)
+            await self._call("forward_backward", sdk.resolved(future), timed=True, phase=update)
+        result = await self._call("optim_step", sdk.resolved(step), timed=True, phase=update)
         self.weights_version += 1
         metrics = {"lr": lr}
         for key, value in (result.metrics or {}).items():
@@ -213,8 +247,11 @@ class TinkerSession:
         if self.sampler_version == self.weights_version:
             return
         self.sampler = await self._call(
-            "save_weights_for_sampler", self.training.save_weights_and_get_sampling_client_async()
+            "save_weights_for_sampler",
+            sdk.created(self.training, "save_weights_and_get_sampling_client"),
+            phase="update_weights",
         )
+        self.pauses.watch(self.sampler, "sampling")
         self.sampler_version = self.weights_version
 
     async def sample(self, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +285,9 @@ class TinkerSession:
         try:
             sampling = types.SamplingParams(max_tokens=max_tokens, **params)
             response = await self._call(
-                "sample", self.sampler.sample_async(types.ModelInput.from_ints(prompt), len(waiters), sampling)
+                "sample",
+                sdk.requested(self.sampler, "sample", types.ModelInput.from_ints(prompt), len(waiters), sampling),
+                phase="gen",
             )
             for waiter, sequence in zip(waiters, response.sequences, strict=True):
                 waiter.set_result(
@@ -269,7 +308,9 @@ class TinkerSession:
 
     async def save(self, name: str) -> dict[str, Any]:
         """Save weights and optimizer state on the service; what a resume needs to find them."""
-        result = await self._call("save_state", _submitted(self.training.save_state_async(name)))
+        result = await self._call(
+            "save_state", sdk.requested(self.training, "save_state", name), phase="save_checkpoint"
+        )
         return {
             "tinker_path": str(result.path),
             "model_id": str(self.training.model_id),
@@ -280,14 +321,15 @@ class TinkerSession:
     async def load(self, state: dict[str, Any]) -> None:
         """Continue from ``save``'s state: a new training client from the checkpoint, with its optimizer."""
         previous = self.training
-        # The SDK's async variant awaits its REST client on the caller's loop, which is not the SDK's own
-        # ("AsyncTinker client called from incorrect event loop", tinker 0.25): the blocking one, in a thread.
+        # 0.25's async variant awaits its REST client on the caller's loop, which is not the SDK's own
+        # ("AsyncTinker client called from incorrect event loop"): the blocking one, in a thread.
         path = str(state["tinker_path"])
         self.training = await self._call(
             f"load_state {path}",
-            asyncio.to_thread(self.service.create_training_client_from_state_with_optimizer, path),
+            sdk.resolved(await asyncio.to_thread(self.service.create_training_client_from_state_with_optimizer, path)),
         )
         self.model_ids.append(str(self.training.model_id))
+        self.pauses.watch(self.training, "training")
         if previous is not None and str(previous.model_id) in self.model_ids:
             await self._unload(str(previous.model_id))
         self.schedule = lr_schedule(self.optim)
@@ -296,6 +338,10 @@ class TinkerSession:
         self.schedule_steps = int(state.get("schedule_steps", 0))
         self.weights_version += 1  # cached log-probs and the sampler are of the old weights
         await self.update_sampler()
+
+    async def waits(self) -> dict[str, float]:
+        """Seconds waited on the service since the last call, by phase (see :class:`WaitClock`)."""
+        return self.clock.take()
 
     async def info(self) -> dict[str, Any]:
         return {
@@ -308,23 +354,12 @@ class TinkerSession:
     # -- plumbing ----------------------------------------------------------------------------------
 
     async def _unload(self, model_id: str) -> None:
-        """Unload a model (the SDK has no public call for it in 0.25: its own request, on its own loop)."""
-        from tinker import types
-        from tinker.lib.api_future_impl import _APIFuture
-        from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
-
-        holder = self.service.holder
-
-        async def request() -> Any:
-            start = time.time()
-            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
-                future = await client.models.unload(request=types.UnloadModelRequest(model_id=model_id))
-            return await _APIFuture(types.UnloadModelResponse, holder, future, start, "UnloadModel").result_async()
-
-        await self._call("unload_model", holder.run_coroutine_threadsafe(request()), timeout=UNLOAD_TIMEOUT_S)
+        await self._call("unload_model", sdk.unload(self.service, model_id), timeout=UNLOAD_TIMEOUT_S)
         self.model_ids.remove(model_id)
 
-    async def _call(self, what: str, awaitable: Any, *, timed: bool = False, timeout: float | None = None) -> Any:
+    async def _call(
+        self, what: str, awaitable: Any, *, timed: bool = False, timeout: float | None = None, phase: str | None = None
+    ) -> Any:
         """Await one request to the service, at most ``remote_backend.timeout_s``; its failure as a TinkerError.
 
         ``timed``: a training call, whose wait counts towards ``service_wait_s``. The SDK retries a lost
@@ -334,6 +369,8 @@ class TinkerSession:
 
         start = time.perf_counter()
         timeout = float(self.settings["timeout_s"]) if timeout is None else timeout
+        if phase is not None:
+            self.clock.begin(phase)
         try:
             return await asyncio.wait_for(awaitable, timeout)
         except asyncio.TimeoutError:
@@ -343,24 +380,75 @@ class TinkerSession:
             ) from None
         except tinker.APIStatusError as exc:
             message = " ".join(str(exc.message).split())
+            if exc.status_code in (400, 426) and "version" in message.lower():
+                detail = exc.body.get("detail") if isinstance(exc.body, dict) else None
+                said = message if not isinstance(detail, str) else " ".join(detail.split())
+                raise TinkerError(version_refused(str(self.settings["base_url"]), exc.status_code, said)) from None
             raise TinkerError(
                 f"Tinker call {what} ({self.settings['base_url']}): HTTP {exc.status_code}: {message}"
             ) from None
         except (tinker.TinkerError, ValueError, OSError) as exc:  # the SDK reports failed futures as ValueError
             raise TinkerError(f"Tinker call {what} ({self.settings['base_url']}): {one_line(exc)}") from None
         finally:
+            if phase is not None:
+                self.clock.end(phase)
             if timed:
                 self.wait_s += time.perf_counter() - start
+
+
+#: The SDK versions this release is tested with, both ends (dists/verl-remote-tinker/pyproject.toml).
+SDK_RANGE = ">=0.25,<0.39"
+
+
+def version_refused(base_url: str, status: int, message: str) -> str:
+    """One line for a service that refuses the installed SDK: which SDK, and how to get another."""
+    return (
+        f"the service at {base_url} refuses tinker SDK {sdk.version()} (HTTP {status}: {message}); install the "
+        f"SDK it asks for, within verl-remote-tinker's range: pip install 'tinker{SDK_RANGE}' (the newest there), "
+        "or, if the service needs a newer SDK than that range, a newer verl-remote-tinker"
+    )
+
+
+class WaitClock:
+    """Wall-clock seconds during which at least one request of a phase was outstanding: a step's 64 samples
+    waited on together count once, as the time the step spent waiting for them."""
+
+    def __init__(self) -> None:
+        self.outstanding: dict[str, int] = {}
+        self.since: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+
+    def begin(self, phase: str) -> None:
+        if not self.outstanding.get(phase):
+            self.since[phase] = time.perf_counter()
+        self.outstanding[phase] = self.outstanding.get(phase, 0) + 1
+
+    def end(self, phase: str) -> None:
+        self.outstanding[phase] -= 1
+        if not self.outstanding[phase]:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - self.since.pop(phase)
+
+    def take(self) -> dict[str, float]:
+        """The seconds so far (a phase still waiting counts up to now), and start again from zero."""
+        now = time.perf_counter()
+        for phase, since in self.since.items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - since
+            self.since[phase] = now
+        taken, self.seconds = self.seconds, {}
+        return taken
 
 
 class TinkerError(RuntimeError):
     """A request to the service failed: the call, the service's address and its answer, on one line."""
 
 
-async def _submitted(submission: Any) -> Any:
-    """The result of a request submitted with one of the SDK's ``*_async`` calls (which return a future)."""
-    future = await submission
-    return await future.result_async()
+def retries(settings: dict[str, Any]) -> int:
+    """How often the SDK's HTTP client may retry one request (429, 408, 409, 5xx, a lost connection): as often
+    as fits in ``remote_backend.timeout_s`` at its longest backoff (10 s) unless ``remote_backend.max_retries``
+    caps it, so that a rate limit is waited out and the timeout, not a count, ends the wait."""
+    cap = settings.get("max_retries")
+    fits = int(float(settings["timeout_s"]) // 10) + 3
+    return fits if cap is None else min(int(cap), fits)
 
 
 def _frozen(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

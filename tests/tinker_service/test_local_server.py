@@ -2,8 +2,9 @@
 run locally, and stopped with everything it started.
 
 The tests marked ``tinker`` start the real server (skyrl 0.4.0, JAX backend, on
-the CPU) on verl-remote's demo model. Its Python 3.12 environment is built on
-first use (a few minutes, some GB, then cached outside the checkout).
+the CPU) on its default model, verl-remote's demo model for LoRA. Its Python 3.12
+environment is built on first use (a few minutes, some GB, then cached outside the
+checkout).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def test_cli_runs_until_sigint_and_leaves_nothing(tmp_path: Path) -> None:
         url = ready.split(" ready at ", 1)[1].split()[0]
         assert f"remote_backend.base_url={url}" in ready
         model = ready.split("(model ", 1)[1].split(")", 1)[0]
+        # By default the demo's model for LoRA, which the printed command trains.
+        assert Path(model).name == "lora-model" and f"actor_rollout_ref.model.path={model}" in ready, ready
         # Ready means the engine has the model loaded: a LoRA training client is made at once.
         import tinker
 

@@ -6,17 +6,21 @@ the arithmetic of what is sent, the settings refused, and the optimizer and sche
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 from omegaconf import OmegaConf
 
+from conftest import ROOT
 from verl_remote.discovery.compose import compose_config
+from verl_remote.integration.summary import RunSummary
 from verl_remote.kit.compute import actor_loss
 from verl_remote_tinker.backend import TinkerBackend, check_objective, loss_reduction
-from verl_remote_tinker.session import adam_params, lr_schedule
+from verl_remote_tinker.session import SDK_RANGE, WaitClock, adam_params, lr_schedule
 from verl_remote_tinker.worker import linearised_datums
 
 
@@ -196,3 +200,38 @@ def test_preflight_refuses_a_lora_rank_that_is_not_an_integer_from_0(rank: Any) 
 def test_preflight_names_an_address_where_nothing_answers(dead_url: str) -> None:
     with pytest.raises(ValueError, match=f"remote_backend.base_url={dead_url}: nothing answers there"):
         TinkerBackend.preflight(_config(base_url=dead_url))
+
+
+def test_a_phases_overlapping_requests_count_once_and_a_take_starts_again() -> None:
+    clock = WaitClock()
+    began = time.perf_counter()
+    clock.begin("gen")
+    clock.begin("gen")  # 64 samples waited on together are one wait
+    time.sleep(0.05)
+    clock.end("gen")
+    time.sleep(0.05)
+    clock.end("gen")
+    clock.begin("update_actor")  # still waiting when taken: counts up to now, and on from now
+    taken = clock.take()
+    elapsed = time.perf_counter() - began
+    assert 0.1 <= taken["gen"] <= elapsed and 0 <= taken["update_actor"] < 0.05, taken
+    time.sleep(0.02)
+    clock.end("update_actor")
+    again = clock.take()
+    assert set(again) == {"update_actor"} and 0.02 <= again["update_actor"] < 0.5, again
+    assert clock.take() == {}
+
+
+def test_the_sdk_range_is_the_distributions() -> None:
+    """The range a refusal names is the one the distribution declares."""
+    project = tomllib.loads((ROOT / "dists" / "verl-remote-tinker" / "pyproject.toml").read_text())["project"]
+    assert f"tinker{SDK_RANGE}" in project["dependencies"]
+
+
+def test_the_run_summary_says_what_waiting_on_the_service_cost_each_phase() -> None:
+    summary = RunSummary([0.1, 0.2], shares={"update_weights": [0.9, 0.8, 0.7], "gen": [0.5, 0.7], "x": [0.1]})
+    assert summary.waits_line() == (
+        "verl-remote: waiting on the service took 60% of generation, 80% of the weight sync, 10% of x "
+        "(medians over 3 steps)"
+    )
+    assert RunSummary([0.1]).waits_line() is None  # a backend that reports no waits

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -38,8 +39,9 @@ from verl_remote.demo import resolve_demo_assets
 from verl_remote.discovery.compose import compose_config
 from verl_remote.kit.compute import actor_loss
 from verl_remote_tinker.backend import TinkerBackend
-from verl_remote_tinker.session import TinkerSession
+from verl_remote_tinker.session import SDK_RANGE, TinkerError, TinkerSession
 from verl_remote_tinker.testing.local_server import LocalServer
+from verl_remote_tinker.testing.proxy import Fault, TinkerProxy
 from verl_remote_tinker.worker import linearised_datums
 
 pytestmark = [pytest.mark.tinker, pytest.mark.train]
@@ -172,12 +174,103 @@ def test_the_gradient_the_service_applies_is_verls(tinker_server: LocalServer) -
 
 
 @pytest.mark.faults
+def test_a_rate_limit_and_a_paused_queue_are_waited_out_with_one_line_each_until_the_timeout(
+    tinker_server: LocalServer,
+) -> None:
+    """What hosted services answer and SkyRL's server does not, from a proxy in front of it (its docstring traces
+    each answer to the SDK's code): HTTP 429 with Retry-After on a sample request, which the SDK retries; HTTP
+    408 with a paused queue state on a result's poll, which the SDK polls on. Each is waited out with one line;
+    a rate limit that outlasts remote_backend.timeout_s ends the call at that timeout. Then a service that
+    refuses the SDK's version is named in one line with the installed version and the fix."""
+    settings = {
+        "base_url": "", "api_key_env": "TINKER_API_KEY", "timeout_s": 60, "max_retries": None,
+        "lora_rank": 4, "lora_seed": 7, "train_mlp": True, "train_attn": True, "train_unembed": True,
+    }  # fmt: skip
+    optim = {"lr": 1e-2, "betas": [0.9, 0.999], "weight_decay": 0.0, "clip_grad": 0.0, "total_training_steps": 2}
+    said: list[str] = []
+    limited = {"detail": "Rate limit exceeded"}
+    paused = {
+        "type": "try_again",
+        "queue_state": "paused_rate_limit",
+        "queue_state_reason": "concurrent LoRA rate limit",
+    }
+
+    async def conversation(proxy: TinkerProxy) -> None:
+        session = TinkerSession({**settings, "base_url": proxy.url}, tinker_server.model, optim)
+        await session.start()
+        session.pauses.say = said.append
+        try:
+            proxy.inject(Fault("/api/v1/asample", 429, times=3, headers={"Retry-After": "1"}, body=limited))
+            began = time.monotonic()
+            answer = await session.sample([3, 4, 5], 4, {"temperature": 1.0})
+            assert len(answer["tokens"]) == 4 and time.monotonic() - began >= 3  # three waits of Retry-After's 1 s
+            assert len(said) == 1, said
+            assert said[0] == (
+                f"verl-remote-tinker: the service at {proxy.url} paused requests (asample) (HTTP 429, rate limit; "
+                "Retry-After 1 s); the SDK waits and retries, the run waits at most remote_backend.timeout_s=60 s "
+                "per call"
+            )
+
+            proxy.inject(Fault("/api/v1/retrieve_future", 408, times=3, body=paused))
+            out = await session.forward([[3, 4, 5, 6, 7]])
+            assert out[0].shape == (4,)
+            assert len(said) == 2 and "paused training (concurrent LoRA rate limit)" in said[1], said
+
+            session.settings["timeout_s"] = 5
+            proxy.inject(Fault("/api/v1/asample", 429, times=10**6, headers={"Retry-After": "1"}, body=limited))
+            began = time.monotonic()
+            with pytest.raises(TinkerError, match=r"Tinker call sample .*: no answer within 5 s"):
+                await session.sample([3, 4, 6], 4, {"temperature": 1.0})
+            assert 5 <= time.monotonic() - began < 15
+            assert len(said) == 3, said
+            proxy.faults.clear()
+        finally:
+            session.settings["timeout_s"] = 60
+            await session.close()
+
+    with TinkerProxy(tinker_server.url) as proxy:
+        asyncio.run(conversation(proxy))
+        assert _loaded(tinker_server) == []
+        # A service that no longer supports the installed SDK (hosted Tinker answers HTTP 400).
+        proxy.inject(Fault("", 400, times=10**6, body={"detail": "SDK version no longer supported, please upgrade"}))
+        with pytest.raises(TinkerError) as refused:
+            asyncio.run(TinkerSession({**settings, "base_url": proxy.url}, tinker_server.model, optim).start())
+    import tinker
+
+    assert str(refused.value) == (
+        f"the service at {proxy.url} refuses tinker SDK {tinker.__version__} (HTTP 400: SDK version no longer "
+        f"supported, please upgrade); install the SDK it asks for, within verl-remote-tinker's range: pip install "
+        f"'tinker{SDK_RANGE}' (the newest there), or, if the service needs a newer SDK than that range, a newer "
+        "verl-remote-tinker"
+    )
+
+
+@pytest.mark.faults
 def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_service_loses_the_model(
     tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
 ) -> None:
-    first = train(tmp_path, *_tinker(tinker_server.url), "trainer.total_training_steps=2", "trainer.save_freq=2")
+    # The first run meets a rate limit, as hosted Tinker answers one (a proxy in front of the server): the SDK
+    # waits it out, the console says so once.
+    with TinkerProxy(tinker_server.url) as limited:
+        limited.inject(Fault("/api/v1/asample", 429, headers={"Retry-After": "1"}, body={"detail": "Rate limit"}))
+        first = train(tmp_path, *_tinker(limited.url), "trainer.total_training_steps=2", "trainer.save_freq=2")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert steps(first.stdout) == [1, 2]
+    paused = [line for line in (first.stdout + first.stderr).splitlines() if "paused requests (asample)" in line]
+    assert len(paused) == 1, paused
+    assert f"verl-remote-tinker: the service at {limited.url} paused requests (asample) (HTTP 429" in paused[0]
+    # Where the time went: each step's waits on the service and their share of verl's time for the phase.
+    log = run_log(tmp_path / "ckpt")
+    for phase in ("gen", "old_log_prob", "update_actor", "update_weights"):
+        waited, share = metric(log, f"service/wait_s/{phase}"), metric(log, f"service/wait_share/{phase}")
+        assert len(waited) == 2 and all(w > 0 for w in waited), (phase, waited)
+        assert len(share) == 2 and all(0 < x <= 1.05 for x in share), (phase, share)  # a part of the phase's time
+    waits = first.stdout.strip().splitlines()[-2]
+    assert re.fullmatch(
+        r"verl-remote: waiting on the service took \d+% of generation, \d+% of the old log-probs, \d+% of the update, "
+        r"\d+% of the weight sync, \d+% of the checkpoint \(medians over 2 steps\)",
+        waits,
+    ), waits
     # The sampler got the trained weights each step: its log-probs are the trainer's.
     diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and max(diffs) < 1e-4

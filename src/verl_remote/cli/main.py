@@ -138,6 +138,9 @@ def _train(args: argparse.Namespace, console: Console) -> int:
             print(f"verl-remote: the full output of this run is in {console.log_path}", file=sys.stderr)
             print(f"verl-remote train: the run failed: {_failure(exc, console)}", file=sys.stderr)
             return EXIT_FAILED
+    waits = summary.waits_line()
+    if waits:
+        print(waits, flush=True)
     print(summary.line(), flush=True)
     return 0
 

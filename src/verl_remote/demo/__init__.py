@@ -1,5 +1,6 @@
-"""The built-in demo: a tiny model, tokenizer and "say N" data set made locally (:mod:`.assets`), its reward
-(:mod:`.reward`), and the ``verl-remote://demo/...`` config values that name them."""
+"""The built-in demo: a tiny model (and its variant for LoRA services), tokenizer and "say N" data set made
+locally (:mod:`.assets`), its reward (:mod:`.reward`), and the ``verl-remote://demo/...`` config values that
+name them."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def resolve_demo_assets(config: DictConfig) -> bool:
     assets = ensure_demo_assets()
     paths = {
         "model": assets.model_path,
+        "lora-model": assets.lora_model_path,
         "train.parquet": assets.train_file,
         "val.parquet": assets.val_file,
         "reward.py": Path(reward.__file__),

@@ -7,12 +7,19 @@
 - a tiny Llama-architecture causal LM with random weights. Not Qwen: transformers 5
   replaces the tokenizer of a qwen2 model directory with its own BPE class, and verl's
   agent loop expects Qwen's own tokenizer for qwen2/qwen3 model types;
+- the same model with an output matrix of its own (``lora-model``), for services that
+  train a LoRA adapter on attention and MLP only (SkyRL's Tinker server): the demo model's
+  output matrix is its input embeddings, tied, of standard deviation 0.02, and with the
+  final norm frozen no logit such an adapter can produce exceeds 1.57, so the best expected
+  reward it can reach is 0.221 (:mod:`verl_remote.demo.reach`). Untied, of standard
+  deviation :data:`LORA_HEAD_STD`, the logits reach 7.53 and the reward 0.969;
 - train and validation parquet files in verl's RL dataset format for the
   "say N" task: the prompt names a digit, the reward is the fraction of the
   response's words that are that digit (see :mod:`verl_remote.demo.reward`).
 
 Assets are written once into a cache directory (atomically, so an interrupted
-first run leaves nothing half-written) and reused.
+first run leaves nothing half-written) and reused. ``lora-model`` is added beside the
+others to a cache made before it existed.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEMO_VERSION", "DemoAssets", "default_cache_dir", "ensure_demo_assets"]
+__all__ = ["DEMO_VERSION", "LORA_HEAD_STD", "DemoAssets", "default_cache_dir", "ensure_demo_assets"]
 
 # Bump when the assets change, so old caches are not reused.
 DEMO_VERSION = "3"
@@ -33,6 +40,8 @@ DIGITS = [str(d) for d in range(10)]
 FILLER = ["the", "a", "number", "is", "and", "ok", "yes", "no"]
 SPECIAL = ["<pad>", "<unk>", "<|im_end|>"]
 DATA_SOURCE = "verl_remote/say_digit"
+#: The standard deviation of ``lora-model``'s output matrix (the demo model's, tied, is 0.02).
+LORA_HEAD_STD = 0.1
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -46,6 +55,11 @@ class DemoAssets:
     @property
     def model_path(self) -> Path:
         return self.root / "model"
+
+    @property
+    def lora_model_path(self) -> Path:
+        """The demo model with an untied output matrix a LoRA on attention and MLP can use (see the module)."""
+        return self.root / "lora-model"
 
     @property
     def train_file(self) -> Path:
@@ -116,6 +130,45 @@ def _make_model(path: Path, seed: int) -> None:
     model.save_pretrained(path)
 
 
+def _make_lora_model(base: Path, path: Path, seed: int) -> None:
+    """``base`` (the demo model) with an output matrix of its own, random, of standard deviation LORA_HEAD_STD."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(base)
+    config.tie_word_embeddings = False
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(load_file(base / "model.safetensors"), strict=False)
+    if list(missing) != ["lm_head.weight"] or unexpected:
+        raise RuntimeError(f"the demo model's weights do not fit an untied copy: {missing=}, {unexpected=}")
+    # A generator and seed of its own: the demo model's weights came from ``seed``'s, and the head must not repeat
+    # them.
+    head = torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head * LORA_HEAD_STD)
+    model.save_pretrained(path)
+    for file in base.iterdir():  # the tokenizer and the generation config, as they are
+        if file.name not in ("config.json", "model.safetensors"):
+            shutil.copy2(file, path / file.name)
+
+
+def _ensure_lora_model(assets: DemoAssets, seed: int) -> None:
+    target = assets.lora_model_path
+    if target.is_dir():
+        return
+    staging = Path(tempfile.mkdtemp(prefix=".staging-lora-model-", dir=assets.root))
+    try:
+        _make_lora_model(assets.model_path, staging, seed)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not target.is_dir():  # else another process made it meanwhile
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def _make_dataset(train: Path, val: Path, seed: int) -> None:
     import pandas as pd
 
@@ -142,22 +195,22 @@ def _make_dataset(train: Path, val: Path, seed: int) -> None:
 
 
 def ensure_demo_assets(cache_dir: Path | None = None, seed: int = 0) -> DemoAssets:
-    """Create the demo's tokenizer, model and data under ``cache_dir`` unless already there."""
+    """Create the demo's tokenizer, models and data under ``cache_dir`` unless already there."""
     root = (cache_dir or default_cache_dir()).expanduser().resolve()
     assets = DemoAssets(root)
-    if (root / "COMPLETE").is_file():
-        return assets
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root.parent))
-    try:
-        staged = DemoAssets(staging)
-        _make_tokenizer(staged.model_path, seed)
-        _make_model(staged.model_path, seed)
-        _make_dataset(staged.train_file, staged.val_file, seed)
-        (staging / "COMPLETE").write_text(DEMO_VERSION)
-        if root.exists():  # an incomplete earlier attempt
-            shutil.rmtree(root)
-        os.replace(staging, root)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    if not (root / "COMPLETE").is_file():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root.parent))
+        try:
+            staged = DemoAssets(staging)
+            _make_tokenizer(staged.model_path, seed)
+            _make_model(staged.model_path, seed)
+            _make_dataset(staged.train_file, staged.val_file, seed)
+            (staging / "COMPLETE").write_text(DEMO_VERSION)
+            if root.exists():  # an incomplete earlier attempt
+                shutil.rmtree(root)
+            os.replace(staging, root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    _ensure_lora_model(assets, seed)
     return assets

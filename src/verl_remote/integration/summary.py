@@ -1,7 +1,9 @@
-"""What a run reports at its end: the mean reward of every training step, and the line that sums it up."""
+"""What a run reports at its end: the mean reward of every training step, and the line that sums it up; the
+share of each phase of a step that waited on the service, where the backend reports its waits."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["RunSummary"]
@@ -13,6 +15,25 @@ class RunSummary:
 
     rewards: list[float] = field(default_factory=list)
     first_step: int = 1
+    shares: dict[str, list[float]] = field(default_factory=dict)  # phase -> each step's waited share of it
+
+    def waits_line(self) -> str | None:
+        """What the service's latency cost the run: per phase, the median share of verl's time it waited."""
+        if not self.shares:
+            return None
+        names = {
+            "gen": "generation",
+            "old_log_prob": "the old log-probs",
+            "ref": "the reference log-probs",
+            "update_actor": "the update",
+            "update_weights": "the weight sync",
+            "save_checkpoint": "the checkpoint",
+        }
+        order = ["gen", "old_log_prob", "ref", "update_actor", "update_weights", "save_checkpoint"]
+        phases = sorted(self.shares, key=lambda p: order.index(p) if p in order else len(order))
+        parts = [f"{100 * statistics.median(self.shares[p]):.0f}% of {names.get(p, p)}" for p in phases]
+        steps = max(len(v) for v in self.shares.values())
+        return f"verl-remote: waiting on the service took {', '.join(parts)} (medians over {steps} steps)"
 
     def line(self, window: int = 3) -> str:
         if not self.rewards:

@@ -51,6 +51,7 @@ from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import MODE, ROLLOUT_NAME
 from verl_remote.integration.summary import RunSummary
 from verl_remote.kit.backend import RemoteBackend
+from verl_remote.kit.errors import one_line
 
 __all__ = [
     "MODE",
@@ -159,6 +160,8 @@ class RemotePPOTrainer(PPOTrainerSync):
         finally:
             self.destroy_backend()
             if self.print_summary:
+                if waits := self.summary.waits_line():
+                    print(waits, flush=True)
                 print(self.summary.line(), flush=True)
 
     def _init_resource_pool_mgr(self) -> None:
@@ -230,13 +233,38 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _validate(self) -> Any:
         self._stop_if_destroyed()
+        self._service_waits()  # the start-up's (before the first validation), or none: not a step's
         try:
             result = super()._validate()
         except Exception as exc:
             self._check_rollouts("during validation", exc)
             raise
         self._check_rollouts("during validation")
+        self._service_waits()  # the validation's sampling is not the next step's generation
         return result
+
+    def _service_waits(self) -> dict[str, float]:
+        """The backend's waits on its service since it was last asked (RemoteBackend.service_waits)."""
+        if self._destroyed:
+            return {}
+        try:
+            waits = asyncio.run(self.backend.service_waits()) or {}
+            return {str(phase): float(seconds) for phase, seconds in waits.items()}
+        except Exception as exc:  # a report, never a reason to stop the run
+            log.warning("verl-remote: backend '%s' could not report its waits: %s", self.backend_name, one_line(exc))
+            return {}
+
+    def _consume_sync_metrics(self) -> dict[str, Any]:
+        """verl's weight-sync metrics, and the step's waits on the service with their share of each phase."""
+        metrics: dict[str, Any] = dict(super()._consume_sync_metrics())
+        waits = self._service_waits()
+        for phase, seconds in sorted(waits.items()):
+            metrics[f"service/wait_s/{phase}"] = seconds
+            took = float(self.timing_raw.get(phase) or 0.0)
+            if took > 0:
+                metrics[f"service/wait_share/{phase}"] = seconds / took
+                self.summary.shares.setdefault(phase, []).append(seconds / took)
+        return metrics
 
     def _publish_weights_version(self) -> None:
         """Tell every rollout server which training step its weights come from."""
@@ -254,6 +282,7 @@ class RemotePPOTrainer(PPOTrainerSync):
     def on_init_end(self, **kwargs: Any) -> None:
         super().on_init_end(**kwargs)
         self._publish_weights_version()
+        self._service_waits()  # the start-up's waits are not the first step's
 
     def on_step_end(self, **kwargs: Any) -> None:
         self._stop_if_destroyed()  # the weight sync

@@ -23,7 +23,7 @@ __all__ = ["RemoteBackend"]
 # one of these with the other flavour would fail far from its definition (an
 # un-awaited coroutine, or "object is not awaitable" inside verl's loop), so the
 # mismatch is rejected when the subclass is defined.
-_ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy")
+_ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy", "service_waits")
 _SYNC_METHODS = ("reconnect_handle",)
 # Asked before anything exists (the preflight), so they are classmethods.
 _CLASS_METHODS = ("from_config", "preflight", "requires_single_forwarder")
@@ -122,3 +122,15 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     async def destroy(self) -> None:
         """Release everything the backend created. Must be idempotent."""
+
+    async def service_waits(self) -> dict[str, float]:
+        """Seconds the run waited on the service since the last call, by phase of verl's step.
+
+        The phases are verl's timers: ``gen`` (sampling), ``old_log_prob``, ``ref``, ``update_actor`` and
+        ``update_weights``; a phase's wait is the wall-clock time during which at least one of its requests was
+        outstanding (overlapping requests count once). The trainer asks after each step's weight sync (and
+        around each validation, whose waits it leaves out) and logs ``service/wait_s/<phase>`` and
+        ``service/wait_share/<phase>`` (the wait over verl's time for that phase): what a service's latency
+        costs a step. Optional; the default reports nothing.
+        """
+        return {}

@@ -4,7 +4,8 @@
                                               [--workdir DIR] [--sample-batch N]
 
 starts the Tinker-API server of ``skyrl[tinker,jax]==0.4.0`` (JAX backend),
-serving a small local model (by default verl-remote's demo model), waits until
+serving a small local model (by default the LoRA variant of verl-remote's demo
+model, ``verl-remote://demo/lora-model``: see :mod:`verl_remote.demo.assets`), waits until
 a client can create a LoRA training client on it, prints one ``ready`` line
 with the URL to pass as ``remote_backend.base_url``, and stays in the
 foreground until Ctrl-C or SIGTERM; then it stops everything it started.
@@ -54,6 +55,14 @@ shape, compiled once. JAX's persistent compilation cache
 (``JAX_COMPILATION_CACHE_DIR``, default ``jax-cache`` beside the environment)
 keeps the compiled programs for the next start.
 
+The adapter. Clients reach the server through
+:class:`~verl_remote_tinker.testing.proxy.TinkerProxy` on ``--port`` (SkyRL
+itself listens on another port of 127.0.0.1): it adds what tinker SDKs from
+0.26 on require and SkyRL 0.4.0 does not send, so that every SDK in
+verl-remote-tinker's range can train against it (its docstring traces each
+field to the SDK's code). It is a test aid in front of this server, not part of
+the backend.
+
 Stopping. The server runs in a session of its own (uv, the API process, the
 engine's uv and the engine process). Stopping sends SIGTERM to the first uv,
 which forwards it to the API process, whose shutdown stops the engine; after
@@ -84,6 +93,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_remote import one_line
+from verl_remote_tinker.testing.proxy import TinkerProxy
 
 __all__ = [
     "SKYRL_VERSION",
@@ -369,10 +379,19 @@ class LocalServer:
     pid: int
 
     def __init__(
-        self, process: subprocess.Popen[bytes], *, url: str, model: str, workdir: Path, owns_workdir: bool
+        self,
+        process: subprocess.Popen[bytes],
+        *,
+        url: str,
+        model: str,
+        workdir: Path,
+        owns_workdir: bool,
+        proxy: TinkerProxy | None = None,
     ) -> None:
         self._process = process
-        self.url = url
+        self.proxy = proxy
+        self.url = url if proxy is None else proxy.url  # clients reach the server through the adapter
+        self.server_url = url  # SkyRL's own address
         self.model = model
         self.workdir = workdir
         self.log_path = workdir / "server.log"
@@ -415,6 +434,8 @@ class LocalServer:
         if not self._wait_session_gone(sid, STOP_GRACE):
             _signal_session(sid, signal.SIGKILL)
             self._wait_session_gone(sid, STOP_GRACE)
+        if self.proxy is not None:
+            self.proxy.stop()
         self._stopped = True
         atexit.unregister(self.stop)
         if self._owns_workdir:
@@ -536,7 +557,7 @@ def start_local_server(
     """Start SkyRL's Tinker server and return it once a LoRA training client can be created on ``model``.
 
     ``port`` None picks a free one; ``model`` None serves verl-remote's demo
-    model (a local directory is made absolute; anything else is a Hugging Face
+    model for LoRA (``lora-model``; a local directory is made absolute; anything else is a Hugging Face
     model id, which SkyRL downloads); ``workdir`` None uses a new temporary folder, deleted on stop (the
     database, checkpoints and ``server.log`` go there); ``python`` is the Python
     3.12 used if the environment has to be built; ``sample_batch`` the number of
@@ -550,13 +571,18 @@ def start_local_server(
     if model is None:
         from verl_remote.demo.assets import ensure_demo_assets
 
-        model = str(ensure_demo_assets().model_path)
+        model = str(ensure_demo_assets().lora_model_path)
     elif Path(model).expanduser().exists():  # the server runs in the work directory: make a local path absolute
         model = str(Path(model).expanduser().resolve())
     elif model.startswith(("/", ".", "~")):
         raise LocalServerError(f"model {model}: no such directory")
     if port is None:
         port = free_port(host)
+    try:  # the adapter clients talk to binds the port now; SkyRL listens on another one behind it
+        proxy = TinkerProxy(f"http://127.0.0.1:{free_port('127.0.0.1')}", host=host, port=port)
+    except OSError as exc:
+        raise LocalServerError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    upstream = int(proxy.upstream.port or 0)
     owns_workdir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="verl-remote-tinker-server-")) if workdir is None else workdir
     work = work.expanduser().resolve()
@@ -574,9 +600,9 @@ def start_local_server(
         "--backend",
         "jax",
         "--host",
-        host,
+        "127.0.0.1",
         "--port",
-        str(port),
+        str(upstream),
         "--database-url",
         f"sqlite:///{work / 'tinker.db'}",
         "--checkpoints-base",
@@ -584,7 +610,7 @@ def start_local_server(
         "--backend-config",
         json.dumps({"sample_max_num_sequences": sample_batch}),
     ]
-    with (work / "server.log").open("ab") as log:
+    with (work / "server.log").open("ab") as log, _closed_on_error(proxy):
         log.write(f"$ {' '.join(command)}\n".encode())
         log.flush()
         process = subprocess.Popen(
@@ -596,14 +622,30 @@ def start_local_server(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    url_host = f"[{host}]" if ":" in host else host
-    server = LocalServer(process, url=f"http://{url_host}:{port}", model=model, workdir=work, owns_workdir=owns_workdir)
+    proxy.start()
+    server = LocalServer(
+        process,
+        url=f"http://127.0.0.1:{upstream}",
+        model=model,
+        workdir=work,
+        owns_workdir=owns_workdir,
+        proxy=proxy,
+    )
     try:
         server._wait_ready(timeout)
     except BaseException:
         server.stop()
         raise
     return server
+
+
+@contextlib.contextmanager
+def _closed_on_error(proxy: TinkerProxy) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        proxy.stop()
+        raise
 
 
 # --- command line ------------------------------------------------------------------------------------------------
@@ -642,7 +684,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=None, help="port to listen on (default: a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument("--model", default=None, help="model directory to serve (default: verl-remote's demo model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory to serve (default: verl-remote's demo model for LoRA, verl-remote://demo/lora-model)",
+    )
     parser.add_argument(
         "--python", default=None, help=f"the Python {PYTHON_VERSION} to build the environment with (default: found)"
     )
@@ -696,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
             try:  # a signal may come as soon as the ready line is out
                 print(
                     f"{PREFIX} SkyRL Tinker server ready at {server.url} (model {server.model}); "
-                    f"train with: verl-remote train remote_backend=tinker remote_backend.base_url={server.url}",
+                    f"train with: verl-remote train remote_backend=tinker remote_backend.base_url={server.url} "
+                    f"actor_rollout_ref.model.path={server.model}",
                     flush=True,
                 )
                 while server.returncode is None:

@@ -171,12 +171,15 @@ def train(
     return cli(*args, cwd=folder, timeout=timeout, env=env)
 
 
-def start(folder: Path, *overrides: str, output: bool = True) -> subprocess.Popen[str]:
+def start(
+    folder: Path, *overrides: str, output: bool = True, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """:func:`train` in the background; its console merged into one stream to read line by line
     (:func:`read_until`), or discarded with ``output=False``."""
     command = [script(), "train", *overrides, f"trainer.default_local_dir={folder / 'ckpt'}", *QUICK]
     sink = subprocess.PIPE if output else subprocess.DEVNULL
-    return subprocess.Popen(command, cwd=folder, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    environment = {**os.environ, **(env or {})}
+    return subprocess.Popen(command, cwd=folder, stdout=sink, stderr=subprocess.STDOUT, text=True, env=environment)
 
 
 _STEP_ROW = re.compile(r"^step (\d+)(?:/\d+)?(?:  |$)", re.MULTILINE)  # verl-remote's console: step 3/40  reward ...

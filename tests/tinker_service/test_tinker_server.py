@@ -59,6 +59,10 @@ def _loaded(server: LocalServer) -> list[str]:
         return [m for (m,) in db.execute(query)]
 
 
+#: An API key as a hosted service's would be: it must reach the service and nothing else.
+SECRET = {"TINKER_API_KEY": "tml-verl-remote-test-key-4f1c9e"}
+
+
 def _tinker(url: str) -> list[str]:
     return ["remote_backend=tinker", f"remote_backend.base_url={url}"]
 
@@ -253,9 +257,12 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     # waits it out, the console says so once.
     with TinkerProxy(tinker_server.url) as limited:
         limited.inject(Fault("/api/v1/asample", 429, headers={"Retry-After": "1"}, body={"detail": "Rate limit"}))
-        first = train(tmp_path, *_tinker(limited.url), "trainer.total_training_steps=2", "trainer.save_freq=2")
+        first = train(
+            tmp_path, *_tinker(limited.url), "trainer.total_training_steps=2", "trainer.save_freq=2", env=SECRET
+        )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert steps(first.stdout) == [1, 2]
+    assert limited.api_keys == {SECRET["TINKER_API_KEY"]}  # the key reached the service, and only that key
     paused = [line for line in (first.stdout + first.stderr).splitlines() if "paused requests (asample)" in line]
     assert len(paused) == 1, paused
     assert f"verl-remote-tinker: the service at {limited.url} paused requests (asample) (HTTP 429" in paused[0]
@@ -279,7 +286,9 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert _loaded(tinker_server) == []  # destroy unloaded the run's model
     assert ray_left_behind() == {}
 
-    proc = start(tmp_path, *_tinker(tinker_server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto")
+    proc = start(
+        tmp_path, *_tinker(tinker_server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto", env=SECRET
+    )
     resumed = "".join(read_until(proc, step_row(3)))
     assert steps(resumed) == [3]
     # Resumed from the service's own checkpoint (weights and optimizer): the first step's old log-probs are
@@ -298,6 +307,14 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert last.startswith("verl-remote train: the run failed: "), last
     assert "Tinker call " in last and tinker_server.url in last, last
     assert ray_left_behind() == {}
+
+    # The API key (read from remote_backend.api_key_env in the session's process only) is in no output, log,
+    # checkpoint record or error of either run.
+    key = SECRET["TINKER_API_KEY"]
+    assert key not in first.stdout + first.stderr + rest
+    written = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and p.suffix in {".json", ".log", ".txt"}]
+    assert any(p.name == "tinker_checkpoint.json" for p in written) and any(p.suffix == ".log" for p in written)
+    assert [p for p in written if key in p.read_text(errors="replace")] == []
 
 
 @pytest.mark.faults

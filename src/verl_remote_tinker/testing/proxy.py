@@ -76,6 +76,7 @@ class TinkerProxy:
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status) of every answer
         self.models: dict[str, str] = {}  # the SDK's model id -> the server's, for models created by a load
+        self.api_keys: set[str] = set()  # the X-API-Key headers seen (the SDK's, tinker/lib/_auth_token_provider.py)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -118,6 +119,9 @@ class TinkerProxy:
             return next((f for f in self.faults if f.takes(path)), None)
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        if key := request.headers.get("X-API-Key"):
+            with self.lock:
+                self.api_keys.add(key)
         length = int(request.headers.get("Content-Length") or 0)
         body = request.rfile.read(length) if length else b""
         fault = self._fault_for(request.path)

@@ -166,13 +166,11 @@ class PauseReporter:
         self.timeout_s = timeout_s
         self.say = say or (lambda line: log.warning("%s", line))
         self.paused: dict[str, float] = {}  # what -> when the pause began
-        self.pauses = 0
 
     def _begin(self, what: str, why: str) -> None:
         if what in self.paused:
             return
         self.paused[what] = time.monotonic()
-        self.pauses += 1
         self.say(
             f"verl-remote-tinker: the service at {self.base_url} paused {what} ({why}); the SDK waits and "
             f"retries, the run waits at most remote_backend.timeout_s={self.timeout_s:g} s per call"

@@ -245,8 +245,8 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _service_waits(self) -> dict[str, float]:
         """The backend's waits on its service since it was last asked (RemoteBackend.service_waits)."""
-        if self._destroyed:
-            return {}
+        if self._destroyed or type(self.backend).service_waits is RemoteBackend.service_waits:
+            return {}  # a backend that reports none: no event loop made for it at every step
         try:
             waits = asyncio.run(self.backend.service_waits()) or {}
             return {str(phase): float(seconds) for phase, seconds in waits.items()}

@@ -391,7 +391,6 @@ class LocalServer:
         self._process = process
         self.proxy = proxy
         self.url = url if proxy is None else proxy.url  # clients reach the server through the adapter
-        self.server_url = url  # SkyRL's own address
         self.model = model
         self.workdir = workdir
         self.log_path = workdir / "server.log"

@@ -46,22 +46,17 @@ _DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-a
 
 @dataclass
 class Fault:
-    """Answer ``times`` requests to ``route`` (after letting ``after`` of them through) with ``status``."""
+    """Answer the next ``times`` requests to ``route`` (a path's end; "" matches every path) with ``status``."""
 
     route: str
     status: int
     times: int = 1
     body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
-    after: int = 0
-    seen: int = 0
     answered: int = 0
 
     def takes(self, path: str) -> bool:
-        if not path.split("?", 1)[0].endswith(self.route) or self.answered >= self.times:
-            return False
-        self.seen += 1
-        if self.seen <= self.after:
+        if self.answered >= self.times or not path.split("?", 1)[0].endswith(self.route):
             return False
         self.answered += 1
         return True
@@ -74,7 +69,6 @@ class TinkerProxy:
         self.upstream = urlsplit(upstream)
         self.faults: list[Fault] = []
         self.lock = threading.Lock()
-        self.requests: list[tuple[str, str, int]] = []  # (method, path, status) of every answer
         self.models: dict[str, str] = {}  # the SDK's model id -> the server's, for models created by a load
         self.api_keys: set[str] = set()  # the X-API-Key headers seen (the SDK's, tinker/lib/_auth_token_provider.py)
         proxy = self
@@ -222,8 +216,6 @@ class TinkerProxy:
         return data
 
     def _answer(self, request: BaseHTTPRequestHandler, status: int, data: bytes, headers: dict[str, str]) -> None:
-        with self.lock:
-            self.requests.append((request.command, request.path, status))
         request.send_response(status)
         for key, value in headers.items():
             request.send_header(key, value)

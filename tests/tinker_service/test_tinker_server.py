@@ -56,7 +56,22 @@ def _loaded(server: LocalServer) -> list[str]:
         "where m.status != 'unloaded' and lower(f.status) != 'failed'"
     )
     with sqlite3.connect(server.workdir / "tinker.db") as db:
-        return [m for (m,) in db.execute(query)]
+        return [m for (m,) in db.execute(query) if m not in LOST]
+
+
+def _unload(server: LocalServer, model: str) -> None:
+    """Unload ``model`` through the server's own route, and wait until its engine has (a request in its turn)."""
+    answer = httpx.post(f"{server.url}/api/v1/unload_model", json={"model_id": model}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    deadline = time.monotonic() + 60
+    while model in _loaded(server):
+        assert time.monotonic() < deadline, _loaded(server)
+        time.sleep(0.2)
+
+
+#: Models a test unloaded behind a session's back. Closing that session asks to unload it again, which the
+#: server accepts and its engine then fails (the model is not loaded): its row stays 'unloading'.
+LOST: set[str] = set()
 
 
 #: An API key as a hosted service's would be: it must reach the service and nothing else.
@@ -139,7 +154,17 @@ def test_the_gradient_the_service_applies_is_verls(tinker_server: LocalServer) -
             )
             norms.append((await session.optim_step())["grad_norm"])
         after = await session.forward(rows)
-        await session.close()
+        # Then the service loses the model between two calls (its stale-session cleanup does this): the next call
+        # fails in the service's own words, naming the call and the service; the session still closes.
+        [model] = _loaded(tinker_server)
+        _unload(tinker_server, model)
+        LOST.add(model)
+        try:
+            with pytest.raises(TinkerError) as lost:
+                await session.forward([row[:-1] for row in rows])  # rows not asked for before: not cached
+        finally:
+            await session.close()
+        assert "Tinker call forward " in str(lost.value) and tinker_server.url in str(lost.value), str(lost.value)
         return norms, after
 
     async def builtin() -> tuple[list[float], list[np.ndarray]]:
@@ -250,7 +275,49 @@ def test_a_rate_limit_and_a_paused_queue_are_waited_out_with_one_line_each_until
 
 
 @pytest.mark.faults
-def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_service_loses_the_model(
+def test_an_unreachable_service_fails_before_anything_starts(cli_main: Any) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    code, _out, err = cli_main("train", *_tinker(dead), "trainer.total_training_steps=1")
+    assert code == 2, err[-3000:]
+    last = last_line(err)
+    assert f"remote_backend.base_url={dead}: nothing answers there" in last, last
+    assert "verl_remote_tinker.local_server" in last
+    assert time.monotonic() - began < 60
+
+
+def test_the_sdk_trains_on_the_server_whose_engine_runs_in_its_session(tinker_server: LocalServer) -> None:
+    """An SDK client alone trains on the module's server; ready means the engine has the model loaded."""
+    import tinker
+    from tinker import types
+
+    commands = [" ".join(p.cmdline()) for p in session_processes(tinker_server.pid)]
+    assert any("skyrl.tinker.api" in c for c in commands), commands
+    assert any("skyrl.tinker.engine" in c for c in commands), commands  # the engine is in the same session
+
+    service = tinker.ServiceClient(base_url=tinker_server.url, api_key="tml-local")
+    began = time.monotonic()
+    training = service.create_lora_training_client(base_model=tinker_server.model, rank=8, seed=0)
+    assert time.monotonic() - began < 60
+    tokens = [5, 9, 12, 7, 3, 8, 10, 11]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+            "weights": types.TensorData(data=[0.0] * 4 + [1.0] * 3, dtype="float32"),
+        },
+    )
+    out = training.forward([datum], "cross_entropy").result()
+    logprobs = np.asarray(out.loss_fn_outputs[0]["logprobs"].data)
+    assert logprobs.shape == (7,)
+    assert np.isfinite(logprobs).all() and (logprobs <= 0).all()
+    [model] = _loaded(tinker_server)
+    _unload(tinker_server, model)  # the server holds nothing for the next test
+    service.holder.close()  # the SDK's session heartbeat
+
+
+@pytest.mark.faults
+def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_service_goes_away(
     tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
 ) -> None:
     # The first run meets a rate limit, as hosted Tinker answers one (a proxy in front of the server): the SDK
@@ -286,89 +353,27 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert _loaded(tinker_server) == []  # destroy unloaded the run's model
     assert ray_left_behind() == {}
 
-    proc = start(
-        tmp_path, *_tinker(tinker_server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto", env=SECRET
-    )
-    resumed = "".join(read_until(proc, step_row(3)))
+    # Resumed, and then the service goes away mid-run with every process it started, as a crashed or preempted
+    # node does (this ends the module's server: this test comes last).
+    server = tinker_server
+    host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+    processes = session_processes(server.pid)
+    try:
+        proc = start(
+            tmp_path, *_tinker(server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto",
+            "remote_backend.timeout_s=60", env=SECRET,
+        )  # fmt: skip
+        resumed = "".join(read_until(proc, step_row(3)))
+    finally:
+        server.stop()
+    killed_at = time.monotonic()
     assert steps(resumed) == [3]
     # Resumed from the service's own checkpoint (weights and optimizer): the first step's old log-probs are
     # those of the step-2 weights, so the sampler (synced on load) and the trainer agree from the start.
     diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
     assert len(diffs) == 1 and diffs[0] < 1e-4
 
-    # Then the service loses the run's model between two steps (its stale-session cleanup does this): the next
-    # call fails with the service's own answer; the run stops, destroys its backend, leaves no process.
-    [model] = _loaded(tinker_server)
-    answer = httpx.post(f"{tinker_server.url}/api/v1/unload_model", json={"model_id": model}, timeout=30)
-    assert answer.status_code == 200, answer.text
-    rest = finish(proc, timeout=600)
-    assert proc.returncode == 1, rest[-3000:]
-    last = last_line(rest)
-    assert last.startswith("verl-remote train: the run failed: "), last
-    assert "Tinker call " in last and tinker_server.url in last, last
-    assert ray_left_behind() == {}
-
-    # The API key (read from remote_backend.api_key_env in the session's process only) is in no output, log,
-    # checkpoint record or error of either run.
-    key = SECRET["TINKER_API_KEY"]
-    assert key not in first.stdout + first.stderr + rest
-    written = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and p.suffix in {".json", ".log", ".txt"}]
-    assert any(p.name == "tinker_checkpoint.json" for p in written) and any(p.suffix == ".log" for p in written)
-    assert [p for p in written if key in p.read_text(errors="replace")] == []
-
-
-@pytest.mark.faults
-def test_an_unreachable_service_fails_before_anything_starts(cli_main: Any) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    began = time.monotonic()
-    code, _out, err = cli_main("train", *_tinker(dead), "trainer.total_training_steps=1")
-    assert code == 2, err[-3000:]
-    last = last_line(err)
-    assert f"remote_backend.base_url={dead}: nothing answers there" in last, last
-    assert "verl_remote_tinker.local_server" in last
-    assert time.monotonic() - began < 60
-
-
-@pytest.mark.faults
-def test_a_service_killed_mid_run_stops_the_run_within_its_timeout_and_the_server_stops_everything(
-    tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
-) -> None:
-    """An SDK client trains on the module's server, then a run; the server is stopped mid-run, as a crashed or
-    preempted node goes away, with every process it started. It ends the module's server: this test comes last."""
-    import tinker
-    from tinker import types
-
-    server = tinker_server
-    try:
-        host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
-        processes = session_processes(server.pid)
-        commands = [" ".join(p.cmdline()) for p in processes]
-        assert any("skyrl.tinker.api" in c for c in commands), commands
-        assert any("skyrl.tinker.engine" in c for c in commands), commands  # the engine is in the same session
-
-        service = tinker.ServiceClient(base_url=server.url, api_key="tml-local")
-        began = time.monotonic()
-        training = service.create_lora_training_client(base_model=server.model, rank=8, seed=0)
-        assert time.monotonic() - began < 60  # ready means the engine has the model loaded
-        tokens = [5, 9, 12, 7, 3, 8, 10, 11]
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={
-                "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
-                "weights": types.TensorData(data=[0.0] * 4 + [1.0] * 3, dtype="float32"),
-            },
-        )
-        out = training.forward([datum], "cross_entropy").result()
-        logprobs = np.asarray(out.loss_fn_outputs[0]["logprobs"].data)
-        assert logprobs.shape == (7,)
-        assert np.isfinite(logprobs).all() and (logprobs <= 0).all()
-        service.holder.close()  # the SDK's session heartbeat, which would outlive the server
-
-        proc = start(tmp_path, *_tinker(server.url), "trainer.total_training_steps=20", "remote_backend.timeout_s=60")
-        read_until(proc, step_row(1))
-    finally:
-        server.stop()  # the service goes away
-    killed_at = time.monotonic()
+    # The next call fails within the run's timeout; the run stops, destroys its backend, leaves no process.
     rest = finish(proc, timeout=600)
     failed_after = time.monotonic() - killed_at
     assert proc.returncode == 1, rest[-3000:]
@@ -377,10 +382,17 @@ def test_a_service_killed_mid_run_stops_the_run_within_its_timeout_and_the_serve
     assert "Tinker call " in last and server.url in last, last
     assert failed_after < 180, failed_after
     assert ray_left_behind() == {}
-
     # Everything the server started is gone with it.
     assert wait_gone(server.pid, timeout=1) == []
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
     assert not listening(host, port)
     assert not server.workdir.exists()  # a temporary work directory is removed
     server.stop()  # idempotent
+
+    # The API key (read from remote_backend.api_key_env in the session's process only) is in no output, log,
+    # checkpoint record or error of either run.
+    key = SECRET["TINKER_API_KEY"]
+    assert key not in first.stdout + first.stderr + resumed + rest
+    written = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and p.suffix in {".json", ".log", ".txt"}]
+    assert any(p.name == "tinker_checkpoint.json" for p in written) and any(p.suffix == ".log" for p in written)
+    assert [p for p in written if key in p.read_text(errors="replace")] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -9,7 +10,7 @@ import ray
 from omegaconf import OmegaConf
 
 from verl_remote import Packed, RayService, RemoteBackend, resources
-from verl_remote.backends.local.engine import GenerateResult, LocalEngine
+from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest
 
 __all__ = ["LocalBackend"]
 
@@ -17,19 +18,54 @@ __all__ = ["LocalBackend"]
 CHECKPOINT_SUBDIR = "local_engine"
 
 
+class Batches:
+    """Sampling requests to the engine, batched: what arrives while the engine samples goes with the next batch
+    (at most ``max_batch`` requests each), so that a step's responses take a forward per token, not one per token
+    and request. One event loop (the rollout server's) submits."""
+
+    def __init__(self, engine: Any, max_batch: int) -> None:
+        self.engine, self.max_batch = engine, max(1, max_batch)
+        self.pending: list[tuple[SampleRequest, asyncio.Future[GenerateResult]]] = []
+        self.draining: asyncio.Task[None] | None = None
+
+    async def submit(self, request: SampleRequest) -> GenerateResult:
+        future: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
+        self.pending.append((request, future))
+        if self.draining is None or self.draining.done():
+            self.draining = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0.002)  # the requests a step sends together arrive within a few milliseconds
+        while self.pending:
+            batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
+            try:
+                results = await self.engine.generate_batch.remote([request for request, _ in batch])
+            except Exception as exc:  # every request of the batch fails with the engine's error
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+
+
 class LocalBackend(RemoteBackend):
     """Every process holds a handle to the same named engine actor (a :class:`RayService`)."""
 
-    def __init__(self, service: RayService) -> None:
+    def __init__(self, service: RayService, max_batch: int = 64) -> None:
         self.service = service
         self.engine = service.actor()
+        self.batches = Batches(self.engine, max_batch)
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> LocalBackend:
-        if handle is not None:
-            return cls(RayService.from_handle(handle))
         settings = OmegaConf.to_container(main_config.remote_backend, resolve=True)
         assert isinstance(settings, dict)
+        max_batch = int(settings.get("max_batch", 64))
+        if handle is not None:
+            return cls(RayService.from_handle(handle), max_batch)
         device = str(settings.get("device", "auto"))
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
@@ -44,7 +80,7 @@ class LocalBackend(RemoteBackend):
             num_cpus=resources(settings)["num_cpus"],
             num_gpus=1 if device.startswith("cuda") else 0,
         )
-        return cls(service)
+        return cls(service, max_batch)
 
     def reconnect_handle(self) -> dict[str, Any]:
         return self.service.handle()
@@ -85,8 +121,7 @@ class LocalBackend(RemoteBackend):
         return float(ray.get(self.engine.lr_scheduler_step.remote()))
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any]) -> GenerateResult:
-        result: GenerateResult = await self.engine.generate.remote(prompt_ids, max_tokens, **params)
-        return result
+        return await self.batches.submit(SampleRequest(prompt_ids, max_tokens, **params))
 
     def device_name(self) -> str:
         return str(ray.get(self.engine.device_name.remote()))

@@ -31,9 +31,22 @@ from verl_remote import Packed, sample_token, to_nested
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerateResult", "LocalEngine", "next_token_log_probs", "sample_token"]
+__all__ = ["GenerateResult", "LocalEngine", "SampleRequest", "next_token_log_probs", "sample_token"]
 
 CHECKPOINT_FILE = "local_engine.pt"
+
+
+@dataclass
+class SampleRequest:
+    """One prompt to sample a response for, with verl's sampling parameters for it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    logprobs: bool
+    stop_token_ids: list[int]
 
 
 @dataclass
@@ -209,26 +222,55 @@ class LocalEngine:
         logprobs: bool,
         stop_token_ids: list[int],
     ) -> GenerateResult:
-        """Sample a response token by token with a KV cache; greedy when temperature is 0."""
+        """One request: a batch of one (see :meth:`generate_batch`)."""
+        request = SampleRequest(prompt_ids, max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids)
+        results: list[GenerateResult] = self.generate_batch([request])
+        return results[0]
+
+    @torch.no_grad()
+    def generate_batch(self, requests: list[SampleRequest]) -> list[GenerateResult]:
+        """Sample a response for each request, all at once: the prompts left-padded into one batch, one forward
+        per token for the whole batch with a KV cache, each row with its own sampling parameters, stop ids and
+        length (greedy when its temperature is 0). A row that is done still rides along until the longest is."""
         self.model.eval()
         try:
-            ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+            batch = len(requests)
+            width = max(len(r.prompt_ids) for r in requests)
+            ids = torch.zeros(batch, width, dtype=torch.long)
+            mask = torch.zeros(batch, width, dtype=torch.long)
+            for row, request in enumerate(requests):
+                ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids, dtype=torch.long)
+                mask[row, width - len(request.prompt_ids) :] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+            tokens: list[list[int]] = [[] for _ in requests]
+            token_log_probs: list[list[float]] = [[] for _ in requests]
+            done = [r.max_tokens <= 0 for r in requests]
             past = None
-            tokens: list[int] = []
-            token_log_probs: list[float] = []
-            for _ in range(max_tokens):
-                out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+            while not all(done):
+                out = self.model(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
+                )
                 past = out.past_key_values
-                logits = out.logits[0, -1].float()
-                token, lp = sample_token(logits, temperature, top_p, top_k)
-                tokens.append(token)
-                token_log_probs.append(lp)
-                if token in stop_token_ids:
-                    break
-                ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+                logits = out.logits[:, -1].float()
+                next_ids = torch.zeros(batch, 1, dtype=torch.long)
+                for row, request in enumerate(requests):
+                    if done[row]:
+                        continue
+                    token, lp = sample_token(logits[row], request.temperature, request.top_p, request.top_k)
+                    tokens[row].append(token)
+                    token_log_probs[row].append(lp)
+                    next_ids[row, 0] = token
+                    done[row] = token in request.stop_token_ids or len(tokens[row]) >= request.max_tokens
+                ids = next_ids.to(self.device)
+                mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=self.device)], dim=1)
+                positions = positions[:, -1:] + 1
         finally:
             self.model.train()
-        return GenerateResult(tokens, token_log_probs if logprobs else None, "completed", self.weights_version)
+        return [
+            GenerateResult(row, lps if request.logprobs else None, "completed", self.weights_version)
+            for row, lps, request in zip(tokens, token_log_probs, requests, strict=True)
+        ]
 
     def update_weights(self) -> int:
         """Sampling uses the training model itself: publishing new weights is a version bump."""

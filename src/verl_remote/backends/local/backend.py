@@ -17,6 +17,9 @@ __all__ = ["LocalBackend"]
 # Where, inside verl's global_step_N/actor folder, the engine's state goes.
 CHECKPOINT_SUBDIR = "local_engine"
 
+# remote_backend.max_batch where a group file (a subclass's, say) does not set it: local.yaml's value.
+MAX_BATCH = 64
+
 
 class Batches:
     """Sampling requests to the engine, batched: what arrives while the engine samples goes with the next batch
@@ -54,7 +57,7 @@ class Batches:
 class LocalBackend(RemoteBackend):
     """Every process holds a handle to the same named engine actor (a :class:`RayService`)."""
 
-    def __init__(self, service: RayService, max_batch: int = 64) -> None:
+    def __init__(self, service: RayService, max_batch: int) -> None:
         self.service = service
         self.engine = service.actor()
         self.batches = Batches(self.engine, max_batch)
@@ -63,7 +66,7 @@ class LocalBackend(RemoteBackend):
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> LocalBackend:
         settings = OmegaConf.to_container(main_config.remote_backend, resolve=True)
         assert isinstance(settings, dict)
-        max_batch = int(settings.get("max_batch", 64))
+        max_batch = int(settings.get("max_batch", MAX_BATCH))
         if handle is not None:
             return cls(RayService.from_handle(handle), max_batch)
         device = str(settings.get("device", "auto"))

@@ -212,22 +212,6 @@ class LocalEngine:
     # -- sampling -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        logprobs: bool,
-        stop_token_ids: list[int],
-    ) -> GenerateResult:
-        """One request: a batch of one (see :meth:`generate_batch`)."""
-        request = SampleRequest(prompt_ids, max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids)
-        results: list[GenerateResult] = self.generate_batch([request])
-        return results[0]
-
-    @torch.no_grad()
     def generate_batch(self, requests: list[SampleRequest]) -> list[GenerateResult]:
         """Sample a response for each request, all at once: the prompts left-padded into one batch, one forward
         per token for the whole batch with a KV cache, each row with its own sampling parameters, stop ids and

@@ -172,13 +172,18 @@ def train(
 
 
 def start(
-    folder: Path, *overrides: str, output: bool = True, env: dict[str, str] | None = None
+    folder: Path, *overrides: str, output: bool | Path = True, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """:func:`train` in the background; its console merged into one stream to read line by line
-    (:func:`read_until`), or discarded with ``output=False``."""
+    (:func:`read_until`), written to a file with ``output=PATH``, or discarded with ``output=False``."""
     command = [script(), "train", *overrides, f"trainer.default_local_dir={folder / 'ckpt'}", *QUICK]
-    sink = subprocess.PIPE if output else subprocess.DEVNULL
     environment = {**os.environ, **(env or {})}
+    if isinstance(output, Path):
+        with output.open("w") as log:  # the child has its own copy of the descriptor
+            return subprocess.Popen(
+                command, cwd=folder, stdout=log, stderr=subprocess.STDOUT, text=True, env=environment
+            )
+    sink = subprocess.PIPE if output else subprocess.DEVNULL
     return subprocess.Popen(command, cwd=folder, stdout=sink, stderr=subprocess.STDOUT, text=True, env=environment)
 
 

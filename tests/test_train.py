@@ -1,8 +1,8 @@
 """verl-remote train end to end: real verl, Ray, Hydra and PyTorch, the local backend on CPU.
 
 Each run starts its own local Ray instance (about 40 s here) and stops it, so runs are shared: the demo run
-(:data:`DEMO`) is made once, beside a second run, and every test that reads a finished demo run asserts on it;
-the tests that resume copy its checkpoints. A test that stops runs chains its stops, each run resuming the last.
+(:data:`DEMO`) is made once, beside a second run, and every test that reads a finished demo run asserts on it.
+A test that stops runs chains its stops, each run resuming the last.
 """
 
 from __future__ import annotations
@@ -142,44 +142,6 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
     assert log.count("\n") > 500 and "Started a local Ray instance" in log and "'actor_rollout_ref'" in log
 
 
-@pytest.mark.faults
-def test_a_resume_passes_over_a_damaged_latest_checkpoint_and_continues_with_the_saved_weights(
-    train_runs: TrainRuns, tmp_path: Path, cli_main: Any
-) -> None:
-    """The demo's checkpoints, copied; the latest (step 4) damaged: pinned to it, the run is refused naming the
-    file; in auto mode it resumes at step 3 from step 2, the newest complete one, with step 2's exact weights
-    (and with verl's profiler configured)."""
-    ckpt = train_runs(*DEMO).ok().clone(tmp_path) / "ckpt"
-    assert (ckpt / "global_step_4" / "data.pt").is_file()
-    weights = ckpt / "global_step_4" / "actor" / "local_engine" / "local_engine.pt"
-    weights.write_bytes(weights.read_bytes()[:100])  # a disk full, a copy cut short
-    step2 = ckpt / "global_step_2"
-    saved = _checkpoint_checksum(step2 / "actor")
-
-    code, _out, err = cli_main(
-        "train", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt / 'global_step_4'}"
-    )
-    assert code == 2
-    assert f"{weights} has 100 bytes" in last_line(err)
-    assert f"trainer.resume_from_path={step2}" in last_line(err)
-
-    # With verl's profiler on both steps: verl asks the forwarders to start and stop a profile around each (the
-    # last with its finish command), which the local backend's worker does not do, and says so once.
-    profiled = "global_profiler.steps=[3,4]"
-    resumed = train(tmp_path, "--verbose", "trainer.total_training_steps=4", "trainer.resume_mode=auto", profiled)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    said = "verl-remote: global_profiler.steps asks for a profile; the forwarders only forward, and backend 'local'"
-    assert (resumed.stdout + resumed.stderr).count(said) == 1
-    assert "Started a local Ray instance" in resumed.stderr  # --verbose: every process's output on the console
-    assert f"the latest checkpoint, global_step_4, cannot be resumed: {weights} has 100 bytes, " in resumed.stdout
-    assert "resuming from global_step_2, the newest complete one" in resumed.stdout
-    assert steps(resumed.stdout) == [3, 4]
-    assert (
-        f"verl-remote: local engine loaded {step2 / 'actor' / 'local_engine'} (weights sha256 {saved})"
-        in resumed.stdout
-    )
-
-
 def _stop_at(proc: subprocess.Popen[str], marker: str, stop: signal.Signals) -> tuple[int, str]:
     """Send ``stop`` a second after the run printed ``marker``; its exit code and whole output."""
     seen = read_until(proc, marker)
@@ -190,16 +152,18 @@ def _stop_at(proc: subprocess.Popen[str], marker: str, stop: signal.Signals) -> 
 
 
 @pytest.mark.faults
-def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resumes_from_the_last_checkpoint(
-    tmp_path: Path,
+def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resumes_from_the_last_complete_checkpoint(
+    tmp_path: Path, cli_main: Any
 ) -> None:
     """One run stopped three ways, each stop resumed by the next run in the same folder:
 
     Ctrl-C after step 2 destroys the backend once (the run has a KL penalty: verl asks the backend for reference
     log-probs each step); the next run resumes at step 3 and is killed (SIGKILL) in the middle of the step-6 save;
-    the run after it resumes at step 5, from the step-4 checkpoint, with its exact weights, until its sampler fails
-    at step 7. After SIGKILL the run's watchdog ends what Ray's own cleanup would leave for minutes. (SIGTERM:
-    tests/arctic/test_arctic_train.py and, through `ray job stop`, tests/test_cluster.py.)
+    then the step-4 checkpoint is damaged on disk. Pinned to it, a resume is refused naming the file; in auto mode
+    the run after it passes over it to step 2, the newest complete one, with its exact weights, and resumes at
+    step 3 until its sampler fails at step 5. After SIGKILL the run's watchdog ends what Ray's own cleanup would
+    leave for minutes. (SIGTERM: tests/arctic/test_arctic_train.py and, through `ray job stop`,
+    tests/test_cluster.py.)
     """
     calls = tmp_path / "calls.txt"
     backend = ["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2"]
@@ -225,11 +189,14 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     kl_loss = metric(log, "actor/kl_loss")
     assert kl_loss[0] == 0.0 and kl_loss[1] > 0.0  # identical to the frozen initial model before the first update
 
-    # SIGKILL in the middle of the step-6 save: the backend's part written, verl's not.
+    # SIGKILL in the middle of the step-6 save: the backend's part written, verl's not. With --verbose: every
+    # process's output on the console.
     calls.unlink()
+    console = tmp_path / "console.txt"
     proc = start(
-        tmp_path, *backend, "trainer.total_training_steps=6", "remote_backend.hold_in_save_s=300", output=False
-    )
+        tmp_path, "--verbose", *backend, "trainer.total_training_steps=6", "remote_backend.hold_in_save_s=300",
+        output=console,
+    )  # fmt: skip
     deadline = time.monotonic() + 400
     while not (calls.exists() and "holding in save_checkpoint 6" in calls.read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, "the run never reached the step-6 save"
@@ -243,28 +210,51 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     killed_at = time.monotonic()
     assert left_behind(tmp_path) == {}  # the run's watchdog ends what Ray's own cleanup would leave for minutes
     assert time.monotonic() - killed_at < BOUND_S + 2
-    saved = _checkpoint_checksum(tmp_path / "ckpt" / "global_step_4" / "actor")
+    assert "Started a local Ray instance" in console.read_text()  # --verbose
+    assert steps(console.read_text())[:2] == [3, 4]  # verl's own metrics lines
 
-    # This run's sampler fails from step 7 on (each step sends 64 requests; the first 128 succeed). verl's agent
-    # loop logs a failed request and goes on; the run stops instead, in the backend's words.
+    # A disk fault damages the step-4 checkpoint, the newest complete one: its weights cut short.
+    ckpt = tmp_path / "ckpt"
+    weights = ckpt / "global_step_4" / "actor" / "local_engine" / "local_engine.pt"
+    weights.write_bytes(weights.read_bytes()[:100])
+    step2 = ckpt / "global_step_2"
+    saved = _checkpoint_checksum(step2 / "actor")
+    code, _out, err = cli_main(
+        "train", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt / 'global_step_4'}"
+    )
+    assert code == 2
+    assert f"{weights} has 100 bytes" in last_line(err)
+    assert f"trainer.resume_from_path={step2}" in last_line(err)
+
+    # In auto mode the run resumes from step 2 with its exact weights. Its sampler fails from step 5 on (each step
+    # sends 64 requests; the first 128 succeed): verl's agent loop logs a failed request and goes on; the run stops
+    # instead, in the backend's words. With verl's profiler on the steps before: verl asks the forwarders to start
+    # and stop a profile around each, which the faulty backend's worker does not do, and says so once.
     calls.unlink()
     failing = ["remote_backend.fail_in=generate", "remote_backend.fail_after_calls=128"]
-    resumed = train(tmp_path, *backend, *failing, "trainer.total_training_steps=8")
+    profiled = "global_profiler.steps=[3,4]"
+    resumed = train(tmp_path, *backend, *failing, profiled, "trainer.total_training_steps=8")
     assert resumed.returncode == 1, resumed.stderr[-3000:]
+    assert f"the latest checkpoint, global_step_4, cannot be resumed: {weights} has 100 bytes, " in resumed.stdout
+    assert "resuming from global_step_2, the newest complete one" in resumed.stdout
+    assert f"verl-remote: local engine loaded {step2 / 'actor' / 'local_engine'} (weights sha256 {saved})" in (
+        resumed.stdout
+    )
     failed = re.fullmatch(
         r"verl-remote train: the run failed: RolloutError: sampling failed at step (\d+): "
         r"InjectedFailure: faulty backend: injected failure in generate \(and \d+ more failed requests\)",
         last_line(resumed.stderr),
     )
-    assert failed is not None and failed.group(1) == "7", last_line(resumed.stderr)
-    assert steps(resumed.stdout) == [5, 6]
-    assert f"(weights sha256 {saved})" in resumed.stdout
+    assert failed is not None and failed.group(1) == "5", last_line(resumed.stderr)
+    assert steps(resumed.stdout) == [3, 4]
     assert "replay buffer" not in resumed.stdout + resumed.stderr
+    said = "verl-remote: global_profiler.steps asks for a profile; the forwarders only forward, and backend 'faulty'"
+    assert (resumed.stdout + resumed.stderr).count(said) == 1
     # Each request's failure is logged by verl's agent loop: the console shows it once and counts the rest.
     assert (resumed.stdout + resumed.stderr).count("injected failure in generate") == 2, resumed.stderr[-3000:]
     assert re.search(r"verl-remote: \d+ more error lines like the ones above are in .*/logs/train-", resumed.stderr)
     assert faulty_calls(calls) == [
-        "load_checkpoint 4", "update_weights", "update_weights", "save_checkpoint 6", "update_weights", "destroy",
+        "load_checkpoint 2", "update_weights", "update_weights", "save_checkpoint 4", "update_weights", "destroy",
     ]  # fmt: skip
     assert left_behind(tmp_path) == {}
 

@@ -75,8 +75,8 @@ def test_a_refused_forward_names_the_generations_route(
     arctic_server: tuple[str, str], model_path: str, tmp_path: Path
 ) -> None:
     """What verl-arctic's forwarder sends for remote_backend.train.logits.optimization=memory, which Arctic's
-    engines refuse without ZoRRO: the error names the call by its route in each generation (a run's side of
-    it: tests/arctic/test_arctic_train.py)."""
+    engines refuse without ZoRRO: the error names the call by its route in each generation. (A run stops at a
+    failed call in one line and destroys its jobs: tests/arctic/test_arctic_train.py.)"""
     url, generation = arctic_server
     client = ArcticClient(url, generation)
     training = client.initialize(training_config(model_path, str(tmp_path), generation, ranks=1))

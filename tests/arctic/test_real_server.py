@@ -24,14 +24,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conversation import TRAINING_RANKS, Observation, converse
 from real.vendor import real_arctic_server
 
 from conftest import (
+    ROOT,
     arctic_jobs,
     finish,
     free_port,
+    last_line,
     metric,
     read_until,
     run_log,
@@ -48,7 +51,7 @@ pytestmark = pytest.mark.arctic_real
 NOT_ON_CPU: dict[str, str] = {}
 
 
-def _ours(generation: str, workdir: Path) -> list[Observation]:
+def _ours(generation: str, workdir: Path, next_job: int) -> list[Observation]:
     with serving_test_server(
         generation,
         training_gpus=TRAINING_RANKS,
@@ -57,7 +60,22 @@ def _ours(generation: str, workdir: Path) -> list[Observation]:
         log_prob_engine="deepspeed",
         colocate=generation == "main",
     ) as url:
+        following = 1  # a server's first job after its start
+        while following < next_job:
+            following = _next_job(url)
         return list(converse(url, generation, _model(), workdir))
+
+
+def _next_job(url: str) -> int:
+    """The id the server hands out next, found by making a sampling job and destroying it (which uses that id:
+    one more is the next). Job ids are part of what the conversation compares, and a server numbers its jobs
+    from 1 after each start."""
+    made = httpx.post(f"{url}/initialize", json={"model_name": _model(), "job_type": "sampling"}, timeout=300)
+    assert made.status_code == 200, made.text
+    job = int(made.json()["job_id"])
+    gone = httpx.post(f"{url}/destroy", params={"job_id": job}, json={"job_type": "sampling"}, timeout=300)
+    assert gone.status_code == 200, gone.text
+    return job + 1
 
 
 def _model() -> str:
@@ -88,8 +106,9 @@ class Arctic:
 
 @pytest.fixture(scope="module", params=["v0.1", "main"])
 def arctic(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arctic]:
-    """Arctic's own server of one generation, started once for the module (a minute or two each); every test
-    leaves it holding no job. The conversation runs first, on the fresh server, as it expects."""
+    """Arctic's own server of one generation, started once for the module (about half a minute each); every
+    test leaves it holding no job. The run comes first, on the fresh server (a dead run's ids are the ones it
+    hands out after a start), then the conversation."""
     generation = str(request.param)
     server = Arctic(generation, tmp_path_factory.mktemp(f"arctic-real-{generation}") / "arctic-server.log")
     server.start()
@@ -97,31 +116,6 @@ def arctic(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield server
     finally:
         server.stop()
-
-
-def test_our_test_server_answers_every_route_as_arctics_own_server(arctic: Arctic, tmp_path: Path) -> None:
-    generation = arctic.generation
-    theirs = list(converse(arctic.url, generation, _model(), tmp_path / "real"))
-    ours = _ours(generation, tmp_path / "ours")
-    assert [o.step for o in ours] == [o.step for o in theirs]
-    differences = []
-    for mine, real in zip(ours, theirs, strict=True):
-        if mine.step in NOT_ON_CPU:
-            continue
-        if (mine.status, mine.kind, mine.shape) != (real.status, real.kind, real.shape):
-            differences.append(
-                f"{mine.step}:\n  Arctic: {real.status} {real.kind} {json.dumps(real.shape, default=str)[:600]}"
-                f"\n  ours:   {mine.status} {mine.kind} {json.dumps(mine.shape, default=str)[:600]}"
-            )
-    assert not differences, f"{len(differences)} of {len(theirs)} answers differ:\n" + "\n".join(differences)
-    assert arctic.log.stat().st_size > 0
-    assert arctic_jobs(arctic.url) == {}
-    if generation == "v0.1":
-        # Arctic v0.1 keeps the workers of a training initialize that fails after starting them (the
-        # conversation's "training without a checkpoint path": ray_server.py asserts the path only after the
-        # workers start), so no training job starts on that server again: the next test gets a new one.
-        assert theirs[-1].step == "training after that" and theirs[-1].status != 200
-        arctic.restart()
 
 
 def _backend(folder: Path, *overrides: str) -> Any:
@@ -138,15 +132,19 @@ def _backend(folder: Path, *overrides: str) -> Any:
 @pytest.mark.train
 @pytest.mark.faults
 def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_leaves_its_jobs(
-    arctic: Arctic, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    arctic: Arctic, tmp_path: Path, caplog: pytest.LogCaptureFixture, cli_main: Any
 ) -> None:
     """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client.
 
+    On protocol v0.1, with a KL penalty (a reference job beside the training job) and a save at step 2, which a
+    later run cannot resume: v0.1 has no load-checkpoint call, and the run is refused before anything starts.
+
     On the current protocol (main), before it, a run was killed and Arctic restarted: that run's record names the
-    ids Arctic hands this run. The dead run's folder is resumed while this one trains: its resume leaves this run's
-    jobs alone (it says so, and cannot start beside them), and this run goes on to its end. (Job identity is the
-    same code for both generations, tested for both against the test server in test_protocol.py; v0.1 only trains
-    here, which spares two boots of its server and a training job's start.)
+    ids Arctic hands this run (the module's server is fresh, so the dead run's ids are the first ones a server
+    hands out after a start). The dead run's folder is resumed while this one trains: its resume leaves this
+    run's jobs alone (it says so, and cannot start beside them), and this run goes on to its end. (Job identity
+    is the same code for both generations, tested for both against the test server in test_protocol.py; the KL
+    penalty, saves and resumes on main: tests/arctic/test_arctic_train.py.)
     """
     from verl_arctic.client import ArcticError
     from verl_arctic.record import JOBS_FILE
@@ -159,13 +157,13 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     ]
     dead = tmp_path / "dead"
     beside_a_dead_run = arctic.generation == "main"
+    kl_and_a_save = ["--recipe", str(ROOT / "configs" / "grpo-kl.yaml"), "trainer.save_freq=2"]
     if beside_a_dead_run:
-        arctic.restart()  # a server that numbers its jobs from 1, as after every restart
         _backend(dead, *settings).client.close()  # killed: its jobs stay on the server, recorded in its folder
         recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]
         arctic.restart()
 
-    proc = start(tmp_path, *settings, "trainer.total_training_steps=2")
+    proc = start(tmp_path, *([] if beside_a_dead_run else kl_and_a_save), *settings, "trainer.total_training_steps=2")
     seen = ""
     try:
         seen = "".join(read_until(proc, step_row(1)))
@@ -186,6 +184,48 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         out = seen + finish(proc)
     assert proc.returncode == 0, out[-5000:]
     assert steps(out)[-2:] == [1, 2]
-    diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
+    log = run_log(tmp_path / "ckpt")
+    diffs = metric(log, "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step
     assert arctic_jobs(arctic.url) == {}
+    if beside_a_dead_run:
+        return
+
+    kl = metric(log, "actor/kl_loss")
+    # The reference kept the initial weights while training moved away: at step 1 both jobs score the initial
+    # weights (alike within the two DeepSpeed engines' numerics: 7e-4 measured; 0 on the test server).
+    assert kl[0] < 5e-3 and kl[1] > 4 * kl[0], kl
+    pointer = json.loads((tmp_path / "ckpt" / "global_step_2" / "actor" / "arctic_checkpoint.json").read_text())
+    assert pointer["step"] == 2 and pointer["generation"] == "v0.1" and Path(pointer["path"]).is_dir()
+    code, _out, err = cli_main(
+        "train", *settings, "trainer.total_training_steps=3", f"trainer.default_local_dir={tmp_path / 'ckpt'}"
+    )
+    assert code == 2, err[-3000:]  # refused before anything starts (cli_main fails if Ray started)
+    assert f"Arctic protocol v0.1 at {arctic.url}" in last_line(err) and "has no load-checkpoint call" in last_line(err)
+    assert "set trainer.resume_mode=disable to start over" in last_line(err)
+    assert arctic_jobs(arctic.url) == {}
+
+
+def test_our_test_server_answers_every_route_as_arctics_own_server(arctic: Arctic, tmp_path: Path) -> None:
+    generation = arctic.generation
+    next_job = _next_job(arctic.url)  # after the run above: both servers number the conversation's jobs alike
+    theirs = list(converse(arctic.url, generation, _model(), tmp_path / "real"))
+    ours = _ours(generation, tmp_path / "ours", next_job)
+    assert [o.step for o in ours] == [o.step for o in theirs]
+    differences = []
+    for mine, real in zip(ours, theirs, strict=True):
+        if mine.step in NOT_ON_CPU:
+            continue
+        if (mine.status, mine.kind, mine.shape) != (real.status, real.kind, real.shape):
+            differences.append(
+                f"{mine.step}:\n  Arctic: {real.status} {real.kind} {json.dumps(real.shape, default=str)[:600]}"
+                f"\n  ours:   {mine.status} {mine.kind} {json.dumps(mine.shape, default=str)[:600]}"
+            )
+    assert not differences, f"{len(differences)} of {len(theirs)} answers differ:\n" + "\n".join(differences)
+    assert arctic.log.stat().st_size > 0
+    assert arctic_jobs(arctic.url) == {}
+    if generation == "v0.1":
+        # Arctic v0.1 keeps the workers of a training initialize that fails after starting them (the
+        # conversation's "training without a checkpoint path": ray_server.py asserts the path only after the
+        # workers start), so no training job starts on that server again: this test comes last.
+        assert theirs[-1].step == "training after that" and theirs[-1].status != 200

@@ -26,7 +26,6 @@ from conftest import (
     finish,
     free_port,
     last_line,
-    live_actors,
     metric,
     read_until,
     run_log,
@@ -82,16 +81,13 @@ def _tinker(url: str) -> list[str]:
     return ["remote_backend=tinker", f"remote_backend.base_url={url}"]
 
 
-def test_verl_remote_tinker_passes_every_conformance_check(tinker_server: LocalServer, ray_instance: Any) -> None:
-    from verl_remote.testing import check_backend
-
-    results = check_backend("tinker", [f"remote_backend.base_url={tinker_server.url}"])
-    lines = "\n".join(result.line() for result in results)
-    assert len(results) == 13 and all(result.ok for result in results), lines
-    assert live_actors() == []
-    assert _loaded(tinker_server) == []
-
-    # Full fine-tuning (lora_rank 0), which SkyRL's server does not offer: one line before any step.
+def test_full_fine_tuning_is_refused_in_one_line_where_the_service_does_not_offer_it(
+    tinker_server: LocalServer,
+) -> None:
+    """lora_rank 0, which SkyRL's server does not offer: one line before any step. (The conformance checks run
+    against this server with the newest SDK of the range, in tests/test_fresh_venv.py; with this environment's,
+    the oldest, the two-step run and its resume below make a run's calls: sample, forward, forward-backward,
+    optimizer step, sampler sync, and the save and load of the service's state.)"""
     config = compose_config([*_tinker(tinker_server.url), "remote_backend.lora_rank=0"])
     resolve_demo_assets(config)
     with pytest.raises(RuntimeError) as refused:
@@ -102,7 +98,6 @@ def test_verl_remote_tinker_passes_every_conformance_check(tinker_server: LocalS
         f"{tinker_server.url} does not offer ("
     ), said
     assert "LoRA rank 0 must be between 1 and 32" in said and "\n" not in said, said
-    assert live_actors() == []
     assert _loaded(tinker_server) == []
 
 

@@ -70,10 +70,10 @@ def pytest_configure(config: pytest.Config) -> None:
 #: together rather than one waiting on a long module started last. A new long module belongs in this list.
 LONGEST_FIRST = (
     "tests/test_fresh_venv.py",
-    "tests/arctic/test_arctic_train.py",
-    "tests/test_train.py",
-    "tests/tinker_service/test_tinker_server.py",
     "tests/arctic/test_real_server.py",
+    "tests/test_train.py",
+    "tests/arctic/test_arctic_train.py",
+    "tests/tinker_service/test_tinker_server.py",
     "tests/test_cluster.py",
     "tests/test_check.py",
     # Then the longest of the quick tier (-m "not (slow or train or arctic_real or tinker)"), for the same reason.
@@ -362,6 +362,19 @@ def _local_ray() -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_left_in_the_test_process() -> Iterator[None]:
+    """A test that starts Ray in this process (ray.init, or a Ray call that starts it) without a fixture that
+    stops it fails here, instead of the next module's ray.init on this worker."""
+    ray = sys.modules.get("ray")
+    had = ray is not None and ray.is_initialized()
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and not had:
+        ray.shutdown()
+        pytest.fail("the test left Ray running in the test process: use the ray_instance or ray_cluster fixture")
 
 
 @pytest.fixture(scope="module")

@@ -217,21 +217,29 @@ def test_third_party_wheels_are_found_by_name_everywhere(
     assert theirs["remote_backend"] == ours["remote_backend"]
     assert theirs["trainer"]["use_v1"] == ours["trainer"]["use_v1"]
 
-    # verl's own launcher (python -m verl.trainer.main_ppo +remote_backend=NAME $(verl-remote config --overrides
-    # ...)) trains with the example backend (examples/bigram-backend) from its wheel. The launcher's destroy and
-    # resume through verl-remote's checkpoint records are asserted on a cluster (tests/test_cluster.py).
+    # verl's own launcher given the example backend (examples/bigram-backend) from its wheel and verl-remote's printed
+    # overrides (python -m verl.trainer.main_ppo +remote_backend=NAME $(verl-remote config --overrides ...)) composes
+    # the run verl-remote would. (verl's launcher trains so, with a test backend's wheel, and resumes, on a cluster:
+    # tests/test_cluster.py.)
     code, words, stderr = in_venv(bin_dir / "verl-remote", "config", "--overrides", "remote_backend=bigram")
     assert code == 0, stderr[-3000:]
-    launch = [
-        bin_dir / "python", "-m", "verl.trainer.main_ppo", "+remote_backend=bigram", *words.split(),
-        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={work / 'ckpt'}",
-    ]  # fmt: skip
-    code, stdout, stderr = in_venv(*launch)
+    code, stdout, stderr = in_venv(
+        bin_dir / "python", "-m", "verl.trainer.main_ppo", "+remote_backend=bigram", *words.split(), "--cfg", "job"
+    )
     assert code == 0, stderr[-3000:]
-    assert steps(stdout) == [1, 2]
-    assert re.search(r"verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", stdout), stdout[-3000:]
-    assert ray_left_behind() == {}  # Ray's workers end within seconds of the driver
+    launched = yaml.safe_load(stdout)
+    code, stdout, stderr = in_venv(bin_dir / "verl-remote", "config", "remote_backend=bigram")
+    assert code == 0, stderr[-3000:]
+    composed = yaml.safe_load(stdout)
+    # The same config, but for the demo's files: `config` shows their verl-remote://demo/ names, the printed
+    # overrides the files, made.
+    for *path, key in [("actor_rollout_ref", "model", "path"), ("data", "train_files"), ("data", "val_files"),
+                       ("reward", "custom_reward_function", "path")]:  # fmt: skip
+        theirs_at, ours_at = launched, composed
+        for name in path:
+            theirs_at, ours_at = theirs_at[name], ours_at[name]
+        assert ours_at.pop(key).startswith("verl-remote://demo/") and Path(theirs_at.pop(key)).exists()
+    assert launched == composed
 
     code, stdout, stderr = in_venv(bin_dir / "verl-remote", "doctor")
     assert code == 0, stdout + stderr
@@ -247,3 +255,4 @@ def test_third_party_wheels_are_found_by_name_everywhere(
     assert "[ok  ] Ray worker: backend faulty (verl-remote-faulty-backend 0.1.0) loads" in stdout
     assert "[ok  ] Ray worker: backend bigram (verl-remote-bigram 0.1.0) loads" in stdout
     assert "Token authentication" not in stdout + stderr
+    assert ray_left_behind() == {}  # the Ray doctor started for its worker checks ended with it

@@ -26,6 +26,7 @@ from conftest import (
     finish,
     free_port,
     last_line,
+    live_actors,
     metric,
     read_until,
     run_log,
@@ -82,7 +83,7 @@ def _tinker(url: str) -> list[str]:
 
 
 def test_full_fine_tuning_is_refused_in_one_line_where_the_service_does_not_offer_it(
-    tinker_server: LocalServer,
+    tinker_server: LocalServer, ray_instance: Any
 ) -> None:
     """lora_rank 0, which SkyRL's server does not offer: one line before any step. (The conformance checks run
     against this server with the newest SDK of the range, in tests/test_fresh_venv.py; with this environment's,
@@ -98,6 +99,7 @@ def test_full_fine_tuning_is_refused_in_one_line_where_the_service_does_not_offe
         f"{tinker_server.url} does not offer ("
     ), said
     assert "LoRA rank 0 must be between 1 and 32" in said and "\n" not in said, said
+    assert live_actors() == []  # the session's actor (from_config starts one on this Ray) went with the refusal
     assert _loaded(tinker_server) == []
 
 

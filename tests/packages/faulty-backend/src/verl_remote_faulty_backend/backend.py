@@ -29,6 +29,11 @@ class FaultyBackend(LocalBackend):
         backend.settings = dict(main_config.remote_backend)
         return backend
 
+    def has_defect(self, name: str) -> bool:
+        """remote_backend.defect: one defect's name, or a list of them."""
+        defect = self.settings.get("defect")
+        return defect is not None and (name == defect if isinstance(defect, str) else name in defect)
+
     def _maybe_fail(self, where: str) -> None:
         if self.settings.get("fail_in") == where:
             raise InjectedFailure(f"faulty backend: injected failure in {where}")
@@ -68,7 +73,7 @@ class FaultyBackend(LocalBackend):
 
     async def load_checkpoint(self, step: int, path: str) -> None:
         self._record(f"load_checkpoint {step}")
-        if self.settings.get("defect") != "load_nothing":
+        if not self.has_defect("load_nothing"):
             await super().load_checkpoint(step, path)
 
     async def destroy(self) -> None:
@@ -85,11 +90,11 @@ class FaultyWorker(LocalForwarderWorker):
         log_probs, entropy = super().backend_log_probs(
             data, temperature=temperature, calculate_entropy=calculate_entropy, reference=reference
         )
-        if self.backend.settings.get("defect") == "shifted_log_probs":
+        if self.backend.has_defect("shifted_log_probs"):
             # Position t holds log p(token t+2): each row one position early, its last still 0.
             rows = [torch.cat([row[1:], row.new_zeros(1)]) for row in log_probs.unbind(0)]
             log_probs = torch.nested.nested_tensor(rows, layout=torch.jagged)
-        elif self.backend.settings.get("defect") == "pad_log_prob_at_end":
+        elif self.backend.has_defect("pad_log_prob_at_end"):
             # Not a defect for verl, which never reads a row's last position: a service that scores a padding
             # token there. The checks must pass it.
             rows = [torch.cat([row[:-1], row.new_full((1,), -2.5)]) for row in log_probs.unbind(0)]
@@ -101,7 +106,7 @@ class FaultyServer(LocalRolloutServer):
     backend: FaultyBackend
 
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        if self.backend.settings.get("defect") == "greedy_ignored" and params.temperature == 0:
+        if self.backend.has_defect("greedy_ignored") and params.temperature == 0:
             params = dataclasses.replace(params, temperature=1.0)  # samples where verl's validation asks greedy
         return await super().sample(prompt_ids, params)
 

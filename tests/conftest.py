@@ -39,6 +39,9 @@ REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend", "verl-remo
 #: Settings of every test run: no validation before the first step, none during the run, and no Ray dashboard (its
 #: head and module processes cost a run about 5 CPU-seconds of its 74; docs/measurements.md). A run that joins a
 #: cluster ignores the last. The fresh environment's run of verl's launcher keeps verl's defaults.
+#: The demo with a KL penalty to the initial model (configs/grpo-kl.yaml): verl asks for reference log-probs.
+KL_RECIPE = ("--recipe", str(ROOT / "configs" / "grpo-kl.yaml"))
+
 QUICK = (
     "trainer.val_before_train=false",
     "trainer.test_freq=-1",

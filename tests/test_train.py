@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from conftest import (
+    KL_RECIPE,
     QUICK,
-    ROOT,
     Run,
     TrainRuns,
     faulty_calls,
@@ -61,7 +61,7 @@ def test_a_second_run_in_the_same_folder_is_refused_and_one_in_another_folder_ru
 ) -> None:
     """The demo run, with a second run refused in its folder and a run beside it whose backend fails.
 
-    The demo run is then the session's (``train_runs(*DEMO)``) for the tests below to read and resume.
+    The demo run is then the session's (``train_runs(*DEMO)``) for the tests below to read.
     """
     folder = train_runs.root / "demo"
     folder.mkdir()
@@ -167,10 +167,9 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     """
     calls = tmp_path / "calls.txt"
     backend = ["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2"]
-    kl = ["--recipe", str(ROOT / "configs" / "grpo-kl.yaml")]
     slow = "remote_backend.hold_after_save_s=30"  # the steps after a save are slow: the signal lands in the run
 
-    proc = start(tmp_path, *kl, *backend, slow, "trainer.total_training_steps=4")
+    proc = start(tmp_path, *KL_RECIPE, *backend, slow, "trainer.total_training_steps=4")
     code, output = _stop_at(proc, step_row(2), signal.SIGINT)  # step 2 is logged after its checkpoint is written
     assert code == 130, output[-3000:]
     assert "verl-remote: interrupted; destroying the backend" in output
@@ -210,8 +209,9 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     killed_at = time.monotonic()
     assert left_behind(tmp_path) == {}  # the run's watchdog ends what Ray's own cleanup would leave for minutes
     assert time.monotonic() - killed_at < BOUND_S + 2
-    assert "Started a local Ray instance" in console.read_text()  # --verbose
-    assert steps(console.read_text())[:2] == [3, 4]  # verl's own metrics lines
+    shown = console.read_text()
+    assert "Started a local Ray instance" in shown  # --verbose
+    assert steps(shown)[:2] == [3, 4]  # verl's own metrics lines
 
     # A disk fault damages the step-4 checkpoint, the newest complete one: its weights cut short.
     ckpt = tmp_path / "ckpt"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    ROOT,
+    KL_RECIPE,
     arctic_jobs,
     arctic_process,
     finish,
@@ -35,9 +35,6 @@ from conftest import (
 )
 
 pytestmark = pytest.mark.train
-
-
-KL_RECIPE = ("--recipe", str(ROOT / "configs" / "grpo-kl.yaml"))
 
 
 def _assert_trained_two_kl_steps(output: str, ckpt: Path, generation: str) -> None:

@@ -30,7 +30,7 @@ from conversation import TRAINING_RANKS, Observation, converse
 from real.vendor import real_arctic_server
 
 from conftest import (
-    ROOT,
+    KL_RECIPE,
     arctic_jobs,
     finish,
     free_port,
@@ -157,7 +157,7 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     ]
     dead = tmp_path / "dead"
     beside_a_dead_run = arctic.generation == "main"
-    kl_and_a_save = ["--recipe", str(ROOT / "configs" / "grpo-kl.yaml"), "trainer.save_freq=2"]
+    kl_and_a_save = [*KL_RECIPE, "trainer.save_freq=2"]
     if beside_a_dead_run:
         _backend(dead, *settings).client.close()  # killed: its jobs stay on the server, recorded in its folder
         recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]

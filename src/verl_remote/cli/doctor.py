@@ -67,6 +67,17 @@ def plugin_status() -> tuple[bool, str]:
     return False, f"verl did not load {PLUGIN_MODULE}"
 
 
+def check_vllm() -> Check:
+    """The local backend's vLLM sampler: absent is fine (it samples with Hugging Face), broken is named with the fix."""
+    from verl_remote.backends.local.vllm_sampler import INSTALL_HINT, vllm_install_problem, vllm_version
+
+    name = "vLLM (the local backend's remote_backend.sampler=vllm)"
+    if vllm_version() is None:
+        return Check(name, True, f"not installed, so the local backend samples with Hugging Face: {INSTALL_HINT}")
+    problem = vllm_install_problem()
+    return Check(name, problem is None, problem or f"{vllm_version()} loads")
+
+
 def check_plugin() -> Check:
     ok, detail = plugin_status()
     return Check("verl loads the verl-remote plugin", ok, detail)
@@ -173,6 +184,7 @@ def run_checks(*, ray_worker: bool = True, on_check: Callable[[Check], None] | N
     for report in reports:
         for check in _backend_checks(report):
             record(check)
+    record(check_vllm())
     if ray_worker:
         for check in check_ray_worker():
             record(check)

@@ -320,6 +320,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"verl-remote {args.command}: invalid config: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:
+        # An environment whose torchvision (say) cannot load fails in whatever imports transformers' models first,
+        # with a traceback that does not say why: say it, with the fix.
+        from verl_remote.backends.local.vllm_sampler import media_packages_problem
+
+        problem = media_packages_problem()
+        if problem is None or args.traceback:
+            raise
+        print(f"verl-remote {args.command}: error: {one_line(exc)}: {problem}", file=sys.stderr)
+        return EXIT_FAILED
     return code
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Any
 
@@ -11,6 +12,7 @@ from omegaconf import OmegaConf
 
 from verl_remote import Packed, RayService, RemoteBackend, resources
 from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest
+from verl_remote.backends.local.vllm_sampler import resolve_sampler, vllm_model_problem
 
 __all__ = ["LocalBackend"]
 
@@ -19,6 +21,9 @@ CHECKPOINT_SUBDIR = "local_engine"
 
 # remote_backend.max_batch where a group file (a subclass's, say) does not set it: local.yaml's value.
 MAX_BATCH = 64
+
+# How long destroy waits for the engine to stop what it started (vLLM's processes) before killing it.
+CLOSE_TIMEOUT_S = 30.0
 
 
 class Batches:
@@ -73,6 +78,14 @@ class LocalBackend(RemoteBackend):
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
         settings["device"] = device
+        settings["sampler"], line = resolve_sampler(str(settings.get("sampler", "hf")))
+        print(f"verl-remote: {line}", flush=True)
+        if settings["sampler"] == "vllm":
+            # vLLM's KV cache holds sequences up to the run's longest: verl's prompt plus response length.
+            rollout, data = main_config.actor_rollout_ref.rollout, main_config.data
+            settings["max_model_len"] = int(
+                rollout.get("max_model_len") or int(data.max_prompt_length) + int(data.max_response_length)
+            )
         actor_config = OmegaConf.to_container(main_config.actor_rollout_ref.actor, resolve=True)
         service = RayService.start(
             LocalEngine,
@@ -84,6 +97,16 @@ class LocalBackend(RemoteBackend):
             num_gpus=1 if device.startswith("cuda") else 0,
         )
         return cls(service, max_batch)
+
+    @classmethod
+    def preflight(cls, main_config: Any) -> None:
+        """remote_backend.sampler: a known value, and for vLLM, an install that loads and a model it can run."""
+        setting = str(main_config.remote_backend.get("sampler", "hf"))
+        if resolve_sampler(setting)[0] == "vllm":
+            device = str(main_config.remote_backend.get("device", "auto"))
+            problem = vllm_model_problem(str(main_config.actor_rollout_ref.model.path), device)
+            if problem is not None:
+                raise ValueError(f"remote_backend.sampler={setting}: {problem}")
 
     def reconnect_handle(self) -> dict[str, Any]:
         return self.service.handle()
@@ -105,6 +128,9 @@ class LocalBackend(RemoteBackend):
         await self.engine.load.remote(os.path.join(path, CHECKPOINT_SUBDIR))
 
     async def destroy(self) -> None:
+        # vLLM's engine processes end with a word from the actor; a dead actor took them with it.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.engine.close.remote(), timeout=CLOSE_TIMEOUT_S)
         self.service.stop()
 
     # -- compute, used by this backend's worker and replica -------------------------------------

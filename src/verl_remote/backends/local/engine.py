@@ -21,13 +21,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from verl_remote import Packed, sample_token, to_nested
+
+if TYPE_CHECKING:
+    from verl_remote.backends.local.vllm_sampler import VllmSampler
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,19 @@ class LocalEngine:
         self.optimizer, self.scheduler = self._build_optimizer()
         self.weights_version = 0
         self.optimizer_steps = 0
+        # remote_backend.sampler, as LocalBackend.from_config resolved it: "hf" samples with self.model itself.
+        self.vllm: VllmSampler | None = None
+        if settings.get("sampler", "hf") == "vllm":
+            from verl_remote.backends.local.vllm_sampler import VllmSampler
+
+            self.vllm = VllmSampler(
+                model_path,
+                dtype=str(settings.get("dtype", "float32")),
+                seed=int(settings.get("seed", 0)),
+                max_model_len=int(settings["max_model_len"]),
+                kv_cache_bytes=int(settings["vllm_kv_cache_bytes"]),
+                device=str(self.device),
+            )
 
     # -- optimisation setup -------------------------------------------------------------
 
@@ -211,11 +227,21 @@ class LocalEngine:
 
     # -- sampling -------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate_batch(self, requests: list[SampleRequest]) -> list[GenerateResult]:
-        """Sample a response for each request, all at once: the prompts left-padded into one batch, one forward
-        per token for the whole batch with a KV cache, each row with its own sampling parameters, stop ids and
-        length (greedy when its temperature is 0). A row that is done still rides along until the longest is."""
+        """Sample a response for each request, all at once, each with its own sampling parameters, stop ids and
+        length (greedy when its temperature is 0): with vLLM, or with the model itself (:meth:`_generate_hf`)."""
+        if self.vllm is not None:
+            return [
+                GenerateResult(tokens, log_probs, "completed", self.weights_version)
+                for tokens, log_probs in self.vllm.generate(requests)
+            ]
+        results: list[GenerateResult] = self._generate_hf(requests)
+        return results
+
+    @torch.no_grad()
+    def _generate_hf(self, requests: list[SampleRequest]) -> list[GenerateResult]:
+        """The prompts left-padded into one batch, one forward per token for the whole batch with a KV cache. A
+        row that is done still rides along until the longest is."""
         self.model.eval()
         try:
             batch = len(requests)
@@ -257,9 +283,18 @@ class LocalEngine:
         ]
 
     def update_weights(self) -> int:
-        """Sampling uses the training model itself: publishing new weights is a version bump."""
+        """Publish the trained weights to the sampler: a version bump when it is the model itself, and the weights
+        pushed into the running engine when it is vLLM."""
+        if self.vllm is not None:
+            self.vllm.push(self.model)
         self.weights_version += 1
         return self.weights_version
+
+    def close(self) -> None:
+        """Stop what the engine started outside its own process (vLLM's engine processes)."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
 
     # -- state ------------------------------------------------------------------------------
 
@@ -301,6 +336,8 @@ class LocalEngine:
         self.weights_version = int(state["weights_version"])
         self.optimizer_steps = int(state["optimizer_steps"])
         torch.set_rng_state(state["torch_rng"])
+        if self.vllm is not None:
+            self.vllm.push(self.model)
         print(f"verl-remote: local engine loaded {path} (weights sha256 {self.weights_checksum()})", flush=True)
 
     def device_name(self) -> str:

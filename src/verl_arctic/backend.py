@@ -242,6 +242,16 @@ class ArcticBackend(RemoteBackend):
         # Arctic runs its own data parallelism: one caller per mini-batch, one optimizer step each.
         return True
 
+    @classmethod
+    def cannot_overlap(cls, main_config: Any) -> str | None:
+        # Colocated engines take turns on the GPUs: the sampler sleeps while the trainer runs (ArcticRolloutServer).
+        if bool(main_config.remote_backend.get("colocate", True)):
+            return (
+                "remote_backend.colocate=true: its sampling and training engines share their GPUs and take turns; "
+                "launch the server with separate GPUs per engine and set remote_backend.colocate=false"
+            )
+        return None
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def _sync_weights(self) -> None:

@@ -37,6 +37,7 @@ _EXPORTS = {
     "SamplingParams": "verl_remote.integration.rollout",
     # the run around the backend
     "as_dict": "verl_remote.kit.config",
+    "overlapped": "verl_remote.kit.config",
     "resumes_from_checkpoint": "verl_remote.integration.checkpoints",
     # tensors on the wire
     "Packed": "verl_remote.kit.payload",
@@ -81,6 +82,7 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "actor_loss",
     "as_dict",
     "one_line",
+    "overlapped",
     "pack",
     "pack_fields",
     "resources",
@@ -98,7 +100,7 @@ if TYPE_CHECKING:
     from verl_remote.integration.worker import RemoteForwarderWorker
     from verl_remote.kit.backend import RemoteBackend
     from verl_remote.kit.compute import actor_loss, response_index, response_values, sample_token
-    from verl_remote.kit.config import as_dict
+    from verl_remote.kit.config import as_dict, overlapped
     from verl_remote.kit.errors import (
         BackendError,
         BackendImportError,

@@ -86,9 +86,15 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
         assert arctic_jobs(url) == {}  # destroyed on the way out, before Ray went down
         assert left_behind(tmp_path) == {}
 
-        proc = start(tmp_path, *arctic, "trainer.total_training_steps=6")
+        # Asked to overlap, colocated engines (the default) decline in one line, and the run is synchronous.
+        proc = start(tmp_path, *arctic, "trainer.v1.trainer_mode=remote_async", "trainer.total_training_steps=6")
         resumed = "".join(read_until(proc, step_row(4)))
         assert steps(resumed) == [3, 4]
+        assert (
+            "verl-remote: backend 'arctic' cannot sample while it trains (remote_backend.colocate=true: its sampling "
+            "and training engines share their GPUs and take turns; launch the server with separate GPUs per engine "
+            "and set remote_backend.colocate=false): this run is synchronous (trainer.v1.trainer_mode=remote)"
+        ) in resumed
         assert "left by a run that did not end cleanly" not in resumed  # SIGTERM left nothing behind
         proc.kill()
         proc.wait(timeout=60)
@@ -96,9 +102,13 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
         left = json.loads((ckpt / "arctic_jobs.json").read_text())
         assert set(arctic_jobs(url)) == {str(job) for job in left["jobs"].values()}  # still held on the service
 
-        proc = start(tmp_path, *arctic, "trainer.total_training_steps=20")
+        # Overlapped (separate engines): it samples each next step while this one trains, resuming a synchronous
+        # run's checkpoint, until the service dies.
+        overlapped = ["trainer.v1.trainer_mode=remote_async", "remote_backend.colocate=false"]
+        proc = start(tmp_path, *arctic, *overlapped, "trainer.total_training_steps=20")
         cleaned = "".join(read_until(proc, step_row(6)))
         assert steps(cleaned) == [5, 6]
+        assert "cannot sample while it trains" not in cleaned
         for kind, job in left["jobs"].items():
             assert f"destroyed {kind} job {job} on {url}, left by a run that did not end cleanly" in cleaned
         assert not set(arctic_jobs(url)) & {str(job) for job in left["jobs"].values()}  # gone from the service
@@ -118,6 +128,8 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     assert "replay buffer" not in rest
     assert failed_after < 120, failed_after
     assert left_behind(tmp_path) == {}
+    staleness = metric(run_log(ckpt), "training/off_policy/trajectory_staleness/max")
+    assert staleness[:2] == [0, 1], staleness  # step 5 on the resumed weights' samples, step 6 on step 5's
 
     # The service is back (empty, as after a restart), but its sampler leaves out the log-probs the run asks for.
     with arctic_process("main", tmp_path / "server-back.log", "--without-sampled-logprobs", port=port):

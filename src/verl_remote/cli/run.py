@@ -126,13 +126,14 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_remote.integration.names import MODE, ROLLOUT_NAME
+    from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 
     if config.get("remote_backend") is None:
         raise ConfigError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
-    if config.trainer.v1.trainer_mode != MODE:
+    if config.trainer.v1.trainer_mode not in (MODE, ASYNC_MODE):
         raise ConfigError(
-            f"trainer.v1.trainer_mode must be '{MODE}' for verl-remote (got {config.trainer.v1.trainer_mode!r})"
+            f"trainer.v1.trainer_mode must be '{MODE}' (synchronous) or '{ASYNC_MODE}' (the next step samples while "
+            f"this one trains) for verl-remote (got {config.trainer.v1.trainer_mode!r})"
         )
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
         raise ConfigError(

@@ -15,6 +15,8 @@ and after the first stop id, with one log-prob per token when they are asked for
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -110,6 +112,9 @@ class RemoteRolloutServer:
         )
         self.global_steps = 0
         self.failures: list[str] = []
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_config.path))
@@ -120,6 +125,12 @@ class RemoteRolloutServer:
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = int(global_steps)
+
+    async def wait_idle(self, timeout_s: float) -> int:
+        """Wait until no request is sampling, at most ``timeout_s``; how many still are."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+        return self.inflight
 
     async def take_failures(self) -> list[str]:
         """The failed requests since the last call, one line each, oldest first."""
@@ -150,6 +161,11 @@ class RemoteRolloutServer:
         if image_data or video_data:
             raise ValueError("verl-remote's rollout replica serves text prompts only")
         prompt_ids = [int(t) for t in prompt_ids]
+        # The weights versions this request may have sampled from: an overlapped run publishes a new one while
+        # requests sample (verl's trajectory_staleness metrics read the range).
+        first_version = self.global_steps
+        self.inflight += 1
+        self.idle.clear()
         try:
             params = SamplingParams.from_verl(
                 sampling_params,
@@ -162,11 +178,19 @@ class RemoteRolloutServer:
             # failures after sampling and stops the step with the backend's own words (take_failures).
             self.failures.append(one_line(exc))
             raise
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle.set()
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs,
             stop_reason=result.stop_reason,
-            extra_fields={"global_steps": self.global_steps},
+            extra_fields={
+                "global_steps": self.global_steps,
+                "min_global_steps": first_version,
+                "max_global_steps": self.global_steps,
+            },
         )
 
     async def sample_within_contract(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:

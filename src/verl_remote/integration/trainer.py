@@ -8,6 +8,15 @@ patched or copied. The seams, and what each one is used for:
   Once selected it presents itself as ``"sync"``, because verl switches to its
   asynchronous code paths (replay buffer, TransferQueue checkpoints) for any
   other mode name.
+- ``register_trainer("remote_async")``: the same trainer on verl's asynchronous
+  paths, which it keeps (its mode name stays ``remote_async``): verl's
+  ``ReplayBufferAsync`` bounds staleness (``trainer.v1.sampler.*``), its
+  TransferQueue checkpoints carry the prompts in flight, and one batch of
+  prompts more than the step trains on is sampled ahead
+  (``trainer.v1.remote_async.num_warmup_batches``), so the service samples the
+  next step while this one computes log-probs and updates. Unlike verl's
+  ``colocate_async``, nothing is aborted or put to sleep at a step's end: the
+  service's sampler keeps the previous weights until the weight sync.
 - ``PPOTrainer._init_resource_pool_mgr`` (private; checked against verl 0.9.1):
   the actor/rollout/ref worker class becomes the backend's forwarder worker and
   the resource pools become CPU-only. verl's own ``separate_async`` trainer
@@ -48,12 +57,13 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl_remote.discovery.registry import load_backend_class, load_worker_class
 from verl_remote.integration.checkpoints import resume_target, seal
 from verl_remote.integration.handoff import attach as attach_handoff
-from verl_remote.integration.names import MODE, ROLLOUT_NAME
+from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 from verl_remote.integration.summary import RunSummary
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
 
 __all__ = [
+    "ASYNC_MODE",
     "MODE",
     "ROLLOUT_NAME",
     "RemotePPOTrainer",
@@ -69,6 +79,10 @@ log = logging.getLogger(__name__)
 # actor_rollout_ref which verl already gives them.
 # The per-step metric the run summary reports (verl's mean sequence score).
 REWARD_METRIC = "critic/score/mean"
+
+#: Seconds an overlapped run waits, once its last step is done, for the samples still in flight (the next step's,
+#: which no step will train on) before it destroys the backend: a service is not torn down under its requests.
+DRAIN_TIMEOUT_S = 120.0
 
 
 class RolloutError(RuntimeError):
@@ -98,9 +112,11 @@ class CPUResourcePoolManager(ResourcePoolManager):
             )
 
 
+@register_trainer(ASYNC_MODE)
 @register_trainer(MODE)
 class RemotePPOTrainer(PPOTrainerSync):
-    """verl's sync trainer driving a :class:`~verl_remote.RemoteBackend`."""
+    """verl's sync trainer driving a :class:`~verl_remote.RemoteBackend`; with ``trainer_mode=remote_async``, on
+    verl's asynchronous replay buffer, sampling the next step while this one trains (:attr:`overlap`)."""
 
     #: Check that every cluster node sees the run's paths (verl's own launcher); ``verl-remote train`` checks in
     #: its driver, before the TaskRunner starts.
@@ -115,9 +131,20 @@ class RemotePPOTrainer(PPOTrainerSync):
         self.summary = RunSummary()
         self._destroy_lock = threading.Lock()
         self._destroyed = False
+        backend_class = load_backend_class(self.backend_name)
+        self.overlap = str(config.trainer.v1.trainer_mode) == ASYNC_MODE
+        if self.overlap and (reason := backend_class.cannot_overlap(config)):
+            print(
+                f"verl-remote: backend '{self.backend_name}' cannot sample while it trains ({reason}): "
+                f"this run is synchronous (trainer.v1.trainer_mode={MODE})",
+                flush=True,
+            )
+            self.overlap = False
         with open_dict(config):
-            config.trainer.v1.trainer_mode = "sync"
-        self.backend: RemoteBackend = load_backend_class(self.backend_name).from_config(config)
+            config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
+            if self.overlap and config.trainer.v1.get(ASYNC_MODE) is None:  # verl's own launcher: not in its config
+                config.trainer.v1[ASYNC_MODE] = {"num_warmup_batches": 1}
+        self.backend: RemoteBackend = backend_class.from_config(config)
         try:
             forwarders = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
             if self.backend.requires_single_forwarder() and forwarders != 1:
@@ -157,6 +184,8 @@ class RemotePPOTrainer(PPOTrainerSync):
         """verl's loop; the backend is destroyed once whatever ends it (verl's own TaskRunner does not)."""
         try:
             super().fit(agent_loop_manager)
+            if self.overlap:
+                self._drain_rollouts()
         finally:
             self.destroy_backend()
             if self.print_summary:
@@ -227,9 +256,23 @@ class RemotePPOTrainer(PPOTrainerSync):
             self._check_rollouts(f"at step {self.global_steps}", exc)
             raise
 
+    def on_train_begin(self) -> None:
+        if self.overlap:  # the batch sampled ahead: the next step's prompts go out while this step trains
+            self._add_async_warmup_batches(float(self.config.trainer.v1[ASYNC_MODE].get("num_warmup_batches", 1)))
+
     def on_sample_end(self) -> None:
         self._check_rollouts(f"at step {self.global_steps}")
-        super().on_sample_end()
+        if not self.overlap:  # verl's sync hook: replicas sleep between rollouts
+            super().on_sample_end()
+        elif self.curr_step_profile:
+            self._stop_rollout_profiling()
+
+    def _drain_rollouts(self) -> None:
+        """Wait for the samples still in flight after the last step, so the backend is destroyed idle."""
+        servers = [server for replica in self.llm_server_manager.get_replicas() for server in replica.servers]
+        left = sum(ray.get([server.wait_idle.remote(DRAIN_TIMEOUT_S) for server in servers]))
+        if left:
+            log.warning("verl-remote: %d sampling requests still in flight after %.0f s", left, DRAIN_TIMEOUT_S)
 
     def _validate(self) -> Any:
         self._stop_if_destroyed()

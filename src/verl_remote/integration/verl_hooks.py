@@ -2,16 +2,16 @@
 :mod:`verl_remote.integration.verl_plugin`).
 
 Both registrations are lazy: nothing of verl-remote's trainer or rollout code is imported until verl asks for
-``trainer.v1.trainer_mode=remote`` or ``actor_rollout_ref.rollout.name=verl_remote``. The trainer must stay
-lazy: verl imports its trainer registry while it may still be importing ``verl.trainer.main_ppo``, which
-verl-remote's trainer module imports in turn.
+``trainer.v1.trainer_mode=remote`` (or ``remote_async``) or ``actor_rollout_ref.rollout.name=verl_remote``. The
+trainer must stay lazy: verl imports its trainer registry while it may still be importing
+``verl.trainer.main_ppo``, which verl-remote's trainer module imports in turn.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from verl_remote.integration.names import MODE, ROLLOUT_NAME
+from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 
 __all__ = ["MODE", "ROLLOUT_NAME", "on_rollout_replica", "on_trainer_base"]
 
@@ -20,8 +20,9 @@ class _Trainers(dict):  # type: ignore[type-arg]
     """verl's trainer registry, which imports verl-remote's trainer the first time ``remote`` is looked up."""
 
     def __missing__(self, name: str) -> Any:
-        if name == MODE:
-            import verl_remote.integration.trainer  # noqa: F401 - registers RemotePPOTrainer under MODE, in this dict
+        if name in (MODE, ASYNC_MODE):
+            # registers RemotePPOTrainer under both names, in this dict
+            import verl_remote.integration.trainer  # noqa: F401
 
             if name in self:
                 return dict.__getitem__(self, name)

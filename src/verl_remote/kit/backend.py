@@ -26,7 +26,7 @@ __all__ = ["RemoteBackend"]
 _ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy", "service_waits")
 _SYNC_METHODS = ("reconnect_handle",)
 # Asked before anything exists (the preflight), so they are classmethods.
-_CLASS_METHODS = ("from_config", "preflight", "requires_single_forwarder")
+_CLASS_METHODS = ("from_config", "preflight", "requires_single_forwarder", "cannot_overlap")
 
 
 class RemoteBackend(abc.ABC):
@@ -107,9 +107,25 @@ class RemoteBackend(abc.ABC):
         """
         return False
 
+    @classmethod
+    def cannot_overlap(cls, main_config: Any) -> str | None:
+        """Why this service cannot sample while it trains, or ``None`` when it can (the default).
+
+        With ``trainer.v1.trainer_mode=remote_async`` the next step's generation runs while the current step's
+        log-probs and update run: the rollout replica's ``sample`` is called between (and during) the
+        forwarder's compute calls. A backend can overlap when its sampler keeps sampling from the weights of the
+        last :meth:`update_weights` while the trainer changes its own (a separate sampling job or snapshot), and
+        the service takes both kinds of calls at once. Return a short reason otherwise (the sampler and the
+        trainer share their GPUs, say); the run then prints it in one line and runs synchronously. Asked on the
+        driver before the backend is built, with the run's config.
+        """
+        return None
+
     @abc.abstractmethod
     async def update_weights(self) -> None:
-        """Make the sampler use the weights the trainer just updated."""
+        """Make the sampler use the weights the trainer just updated. In an overlapped run
+        (:meth:`cannot_overlap`), requests already sampling may finish on the previous weights; every request
+        that starts after this returns samples from the new ones."""
 
     @abc.abstractmethod
     async def save_checkpoint(self, step: int, path: str) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-__all__ = ["as_dict"]
+__all__ = ["as_dict", "overlapped"]
 
 
 def as_dict(node: Any) -> dict[str, Any]:
@@ -15,3 +15,10 @@ def as_dict(node: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise TypeError(f"expected a config mapping, got {type(value).__name__}")
     return {str(k): v for k, v in value.items()}
+
+
+def overlapped(main_config: Any) -> bool:
+    """Whether this run samples the next step while it trains the current one (``trainer.v1.trainer_mode`` is
+    ``remote_async`` and the backend did not decline, :meth:`RemoteBackend.cannot_overlap`). A backend whose
+    sampler shares the trainer's weights keeps a snapshot for sampling only then."""
+    return str(OmegaConf.select(main_config, "trainer.v1.trainer_mode", default="")) == "remote_async"

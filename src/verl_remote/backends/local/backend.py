@@ -10,7 +10,7 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
-from verl_remote import Packed, RayService, RemoteBackend, resources
+from verl_remote import Packed, RayService, RemoteBackend, overlapped, resources
 from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest
 from verl_remote.backends.local.vllm_sampler import resolve_sampler, vllm_model_problem
 
@@ -78,6 +78,7 @@ class LocalBackend(RemoteBackend):
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
         settings["device"] = device
+        settings["overlap"] = overlapped(main_config)
         settings["sampler"], line = resolve_sampler(str(settings.get("sampler", "hf")))
         print(f"verl-remote: {line}", flush=True)
         if settings["sampler"] == "vllm":

@@ -87,7 +87,11 @@ class LocalEngine:
         self.optimizer, self.scheduler = self._build_optimizer()
         self.weights_version = 0
         self.optimizer_steps = 0
-        # remote_backend.sampler, as LocalBackend.from_config resolved it: "hf" samples with self.model itself.
+        # remote_backend.sampler, as LocalBackend.from_config resolved it: "hf" samples with self.model itself,
+        # or, when the run samples while it trains (overlap), with a copy holding the last published weights.
+        self.sampling_model: torch.nn.Module = self.model
+        if settings.get("overlap") and settings.get("sampler", "hf") != "vllm":
+            self.sampling_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.vllm: VllmSampler | None = None
         if settings.get("sampler", "hf") == "vllm":
             from verl_remote.backends.local.vllm_sampler import VllmSampler
@@ -242,7 +246,8 @@ class LocalEngine:
     def _generate_hf(self, requests: list[SampleRequest]) -> list[GenerateResult]:
         """The prompts left-padded into one batch, one forward per token for the whole batch with a KV cache. A
         row that is done still rides along until the longest is."""
-        self.model.eval()
+        model = self.sampling_model
+        model.eval()
         try:
             batch = len(requests)
             width = max(len(r.prompt_ids) for r in requests)
@@ -258,7 +263,7 @@ class LocalEngine:
             done = [r.max_tokens <= 0 for r in requests]
             past = None
             while not all(done):
-                out = self.model(
+                out = model(
                     input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
                 )
                 past = out.past_key_values
@@ -276,7 +281,7 @@ class LocalEngine:
                 mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=self.device)], dim=1)
                 positions = positions[:, -1:] + 1
         finally:
-            self.model.train()
+            self.model.train()  # the snapshot, when sampling has its own, stays in eval mode
         return [
             GenerateResult(row, lps if request.logprobs else None, "completed", self.weights_version)
             for row, lps, request in zip(tokens, token_log_probs, requests, strict=True)
@@ -284,11 +289,16 @@ class LocalEngine:
 
     def update_weights(self) -> int:
         """Publish the trained weights to the sampler: a version bump when it is the model itself, and the weights
-        pushed into the running engine when it is vLLM."""
-        if self.vllm is not None:
-            self.vllm.push(self.model)
+        pushed into the running engine when it is vLLM, or copied into the sampling snapshot."""
+        self._publish()
         self.weights_version += 1
         return self.weights_version
+
+    def _publish(self) -> None:
+        if self.vllm is not None:
+            self.vllm.push(self.model)
+        elif self.sampling_model is not self.model:
+            self.sampling_model.load_state_dict(self.model.state_dict())
 
     def close(self) -> None:
         """Stop what the engine started outside its own process (vLLM's engine processes)."""
@@ -336,8 +346,7 @@ class LocalEngine:
         self.weights_version = int(state["weights_version"])
         self.optimizer_steps = int(state["optimizer_steps"])
         torch.set_rng_state(state["torch_rng"])
-        if self.vllm is not None:
-            self.vllm.push(self.model)
+        self._publish()
         print(f"verl-remote: local engine loaded {path} (weights sha256 {self.weights_checksum()})", flush=True)
 
     def device_name(self) -> str:

@@ -350,15 +350,16 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert _loaded(tinker_server) == []  # destroy unloaded the run's model
     assert ray_left_behind() == {}
 
-    # Resumed, and then the service goes away mid-run with every process it started, as a crashed or preempted
-    # node does (this ends the module's server: this test comes last).
+    # Resumed, overlapped (trainer.v1.trainer_mode=remote_async: each next step sampled while this one trains),
+    # and then the service goes away mid-run with every process it started, as a crashed or preempted node does
+    # (this ends the module's server: this test comes last).
     server = tinker_server
     host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
     processes = session_processes(server.pid)
     try:
         proc = start(
             tmp_path, *_tinker(server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto",
-            "remote_backend.timeout_s=30", env=SECRET,
+            "remote_backend.timeout_s=30", "trainer.v1.trainer_mode=remote_async", env=SECRET,
         )  # fmt: skip
         resumed = "".join(read_until(proc, step_row(3)))
     finally:
@@ -369,6 +370,8 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     # those of the step-2 weights, so the sampler (synced on load) and the trainer agree from the start.
     diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
     assert len(diffs) == 1 and diffs[0] < 1e-4
+    assert metric(run_log(tmp_path / "ckpt"), "training/off_policy/trajectory_staleness/max") == [0]
+    assert "cannot sample while it trains" not in resumed
 
     # The next call fails within the run's timeout; the run stops, destroys its backend, leaves no process.
     rest = finish(proc, timeout=600)

@@ -41,9 +41,10 @@ def _complete_backend(**overrides: Any) -> type[RemoteBackend]:
     return type("Backend", (RemoteBackend,), namespace)
 
 
-def test_a_complete_backend_can_be_built_and_defaults_to_many_forwarders() -> None:
+def test_a_complete_backend_can_be_built_and_defaults_to_many_forwarders_and_overlapping() -> None:
     backend = _complete_backend().from_config(None)
     assert backend.requires_single_forwarder() is False
+    assert backend.cannot_overlap(OmegaConf.create({})) is None
 
 
 @pytest.mark.parametrize(
@@ -72,7 +73,7 @@ def test_async_override_of_a_sync_method_is_rejected_at_definition(method: str) 
         _complete_backend(**{method: coroutine})
 
 
-@pytest.mark.parametrize("method", ["from_config", "preflight", "requires_single_forwarder"])
+@pytest.mark.parametrize("method", ["from_config", "preflight", "requires_single_forwarder", "cannot_overlap"])
 def test_what_is_asked_before_the_backend_exists_must_be_a_classmethod(method: str) -> None:
     with pytest.raises(TypeError, match=f"{method} must be a classmethod"):
         _complete_backend(**{method: lambda self, *args, **kwargs: self})

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from verl_remote import RayService, RemoteBackend, ServiceStartError, as_dict, one_line, resources
+from verl_remote import RayService, RemoteBackend, ServiceStartError, as_dict, one_line, overlapped, resources
 
 __all__ = ["TinkerBackend", "check_objective", "loss_reduction"]
 
@@ -119,7 +119,7 @@ class TinkerBackend(RemoteBackend):
         try:
             service = RayService.start(
                 TinkerSession,
-                {**settings, "base_url": base_url},
+                {**settings, "base_url": base_url, "overlap": overlapped(main_config)},
                 base_model,
                 optim,
                 prefix="verl_remote_tinker_session",

@@ -32,6 +32,7 @@ __all__ = [
     "finish",
     "requested",
     "resolved",
+    "saved_for_sampling",
     "service_client",
     "submitted",
     "unload",
@@ -94,6 +95,16 @@ async def created(obj: Any, name: str, *args: Any, **kwargs: Any) -> Any:
     if variant is not None:
         return await resolved(await variant(*args, **kwargs))
     return await resolved(await asyncio.to_thread(getattr(obj, name), *args, **kwargs))
+
+
+async def saved_for_sampling(training: Any) -> Any:
+    """``training.save_weights_and_get_sampling_client()``: a sampler of the current weights, awaited without
+    stalling the caller's event loop. 0.25's ``_async`` variant waits for the save with a blocking ``.result()``
+    (tinker 0.25.0 ``lib/public_interfaces/training_client.py:1008``), which held every other request of the
+    session for the save's round trip; its plain call, in a thread, does not."""
+    if _current(training, "save_weights_and_get_sampling_client") is not None:
+        return await asyncio.to_thread(training.save_weights_and_get_sampling_client)
+    return await created(training, "save_weights_and_get_sampling_client")
 
 
 async def capabilities(service: Any, base_url: str, api_key: str) -> Any:

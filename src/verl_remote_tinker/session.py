@@ -15,6 +15,7 @@ step: the forward passes, the passes and the step itself).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -62,6 +63,7 @@ class TinkerSession:
         self.model_ids: list[str] = []  # every model this run created, unloaded on close
         self.weights_version = 0  # optimizer steps applied so far in this session
         self.sampler_version = -1
+        self.saving: asyncio.Future[None] | None = None  # the sampler's save, when update_sampler did not wait
         self.pending: list[Any] = []  # forward_backward futures queued since the last optimizer step
         self.cached: dict[tuple[int, ...], np.ndarray] = {}  # log-probs at weights_version, by row
         self.cached_version = -1
@@ -118,13 +120,16 @@ class TinkerSession:
             "create_sampling_session", sdk.created(self.service, "create_sampling_client", base_model=self.base_model)
         )
         self.pauses.watch(self.base_sampler, "sampling (base model)")
-        await self.update_sampler()
+        await self.update_sampler(wait=True)
         return {"model_id": str(self.training.model_id)}
 
     async def close(self) -> None:
         """Unload every model this run created; idempotent."""
         if self.service is None:
             return
+        if self.saving is not None and not self.saving.done():
+            with contextlib.suppress(Exception):  # the service may be gone; destroy must still finish
+                await asyncio.wait_for(asyncio.shield(self.saving), UNLOAD_TIMEOUT_S)
         for model_id in list(self.model_ids):
             try:
                 await self._unload(model_id)
@@ -204,6 +209,7 @@ class TinkerSession:
             )
             for d in datums
         ]
+        await self._saved()  # the sampler's save reads the weights this pass begins to change
         self.pending.append(
             await self._call(
                 "forward_backward",
@@ -242,17 +248,36 @@ class TinkerSession:
 
     # -- sampling ----------------------------------------------------------------------------------
 
-    async def update_sampler(self) -> None:
-        """Save the current weights for sampling; every later sample uses them."""
+    async def update_sampler(self, wait: bool | None = None) -> None:
+        """Save the current weights for sampling; every sample that starts later uses them.
+
+        In an overlapped run (``settings["overlap"]``, unless ``wait`` says) it returns once the save is under
+        way: the trainer goes on with the next step's log-probs, which read the training weights the save does
+        not change, while samples that start meanwhile wait for the new sampler, and the next change to the
+        training weights (a forward-backward pass) waits for the save to have read them (:meth:`_saved`).
+        """
         if self.sampler_version == self.weights_version:
             return
+        await self._saved()  # one save at a time
+        self.sampler_version = self.weights_version
+        self.saving = asyncio.ensure_future(self._save_for_sampler())
+        if wait is None:
+            wait = not self.settings.get("overlap")
+        if wait:
+            await self._saved()
+
+    async def _save_for_sampler(self) -> None:
         self.sampler = await self._call(
             "save_weights_for_sampler",
-            sdk.created(self.training, "save_weights_and_get_sampling_client"),
+            sdk.saved_for_sampling(self.training),
             phase="update_weights",
         )
         self.pauses.watch(self.sampler, "sampling")
-        self.sampler_version = self.weights_version
+
+    async def _saved(self) -> None:
+        """Wait for the sampler's save under way, if any; its failure is raised to every caller."""
+        if self.saving is not None:
+            await asyncio.shield(self.saving)
 
     async def sample(self, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
         """One response: its tokens, their log-probs and Tinker's stop reason ("stop" or "length").
@@ -283,6 +308,7 @@ class TinkerSession:
         from tinker import types
 
         try:
+            await self._saved()
             sampling = types.SamplingParams(max_tokens=max_tokens, **params)
             response = await self._call(
                 "sample",
@@ -337,7 +363,7 @@ class TinkerSession:
             self.schedule.step()
         self.schedule_steps = int(state.get("schedule_steps", 0))
         self.weights_version += 1  # cached log-probs and the sampler are of the old weights
-        await self.update_sampler()
+        await self.update_sampler(wait=True)
 
     async def waits(self) -> dict[str, float]:
         """Seconds waited on the service since the last call, by phase (see :class:`WaitClock`)."""

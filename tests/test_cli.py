@@ -117,3 +117,22 @@ def test_train_rejects_bad_input_before_starting_anything(overrides: list[str], 
     assert message in stderr
     assert "Traceback" not in stderr
     assert "step:" not in stdout
+
+
+def test_an_error_is_blamed_on_a_broken_media_package_only_when_it_comes_from_one() -> None:
+    """The catch-all's hint (CUDA-only torchvision/torchaudio/torchcodec beside a CPU torch) is for errors raised in
+    or naming those packages: another error in an environment that has them broken keeps its own words."""
+    from verl_remote.cli.main import _involves
+
+    media = ("torchvision", "torchaudio", "torchcodec")
+    try:
+        raise KeyError("trainer.v1.remote_async.num_warmup_batches")
+    except KeyError as exc:
+        assert not _involves(exc, media)
+    try:
+        try:
+            raise RuntimeError("operator torchvision::nms does not exist")
+        except RuntimeError as inner:
+            raise RuntimeError("Failed to import transformers.models.qwen2.modeling_qwen2") from inner
+    except RuntimeError as exc:
+        assert _involves(exc, media)

@@ -254,18 +254,26 @@ class ArcticBackend(RemoteBackend):
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    @property
+    def colocated(self) -> bool:
+        """Whether the sampling and training engines share GPUs (remote_backend.colocate): the sampler then sleeps
+        between rollouts and wakes for each weight sync; separate engines stay awake."""
+        return bool(self.settings.get("colocate", True))
+
     def _sync_weights(self) -> None:
         sampling, training = self.jobs["sampling"], self.jobs["training"]
         sync = self.settings["weight_sync"]
-        self.client.wake_inference(sampling, ["weights"])
+        if self.colocated:
+            self.client.wake_inference(sampling, ["weights"])
         self.client.weight_sync(
             training,
             sampling,
-            colocate=bool(self.settings.get("colocate", True)),
+            colocate=self.colocated,
             cuda_ipc=bool(sync["cuda_ipc"]),
             low_memory=bool(sync["low_memory"]),
         )
-        self.client.wake_inference(sampling, ["kv_cache"])
+        if self.colocated:
+            self.client.wake_inference(sampling, ["kv_cache"])
         self.client.reset_prefix_cache(sampling)
 
     async def update_weights(self) -> None:

@@ -58,8 +58,10 @@ class ArcticRolloutServer(RemoteRolloutServer):
         return SampleResult(tokens, log_probs, stop)
 
     async def sleep(self) -> None:
-        # Free the sampler's memory between rollouts; update_weights wakes it with the new weights.
-        await self.backend.sleep_sampling()
+        # Free the sampler's memory for the trainer between rollouts, where they share GPUs; update_weights wakes
+        # it with the new weights. Separate engines (remote_backend.colocate=false) have nothing to give back.
+        if self.backend.colocated:
+            await self.backend.sleep_sampling()
 
 
 class ArcticRolloutReplica(RemoteRolloutReplica):

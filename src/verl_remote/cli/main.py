@@ -302,6 +302,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _involves(exc: BaseException, packages: Sequence[str]) -> bool:
+    """Whether ``exc`` or an exception it comes from was raised in, or names, one of ``packages``: an error of
+    another kind is not blamed on a broken install that happens to be there."""
+    import traceback
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        frames = traceback.extract_tb(seen.__traceback__)
+        if any(f"/{name}/" in frame.filename for frame in frames for name in packages):
+            return True
+        if any(name in str(seen) for name in packages):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from verl_remote.discovery.compat import UnsupportedVerlError
     from verl_remote.discovery.compose import ConfigError
@@ -323,10 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         # An environment whose torchvision (say) cannot load fails in whatever imports transformers' models first,
         # with a traceback that does not say why: say it, with the fix.
-        from verl_remote.backends.local.vllm_sampler import media_packages_problem
+        from verl_remote.backends.local.vllm_sampler import MEDIA_PACKAGES, media_packages_problem
 
-        problem = media_packages_problem()
-        if problem is None or args.traceback:
+        if args.traceback or not _involves(exc, MEDIA_PACKAGES) or (problem := media_packages_problem()) is None:
             raise
         print(f"verl-remote {args.command}: error: {one_line(exc)}: {problem}", file=sys.stderr)
         return EXIT_FAILED

@@ -187,22 +187,29 @@ def verl_overrides(config: DictConfig, group_defaults: DictConfig | None) -> lis
     """The settings of ``config`` that differ from verl's own ``ppo_trainer`` config, as verl overrides.
 
     With ``+remote_backend=<name>`` in front, they make ``python -m verl.trainer.main_ppo`` compose ``config``:
-    ``remote_backend`` keys appear only where they differ from the group file's (``group_defaults``).
+    ``remote_backend`` keys appear only where they differ from the group file's (``group_defaults``). Keys the
+    group brings into verl's config (``verl_remote_launcher/remote.yaml``) take no ``+``.
     """
+    from importlib.resources import files
+
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=verl_config_dir(), version_base=None):
         base = compose(config_name="ppo_trainer")
     mine = OmegaConf.to_container(config, resolve=False)
     theirs = OmegaConf.to_container(base, resolve=False)
-    assert isinstance(mine, dict) and isinstance(theirs, dict)
+    launcher = OmegaConf.to_container(
+        OmegaConf.create(files(CONFIG_MODULE).joinpath("verl_remote_launcher", "remote.yaml").read_text())
+    )
+    assert isinstance(mine, dict) and isinstance(theirs, dict) and isinstance(launcher, dict)
     backend = mine.pop("remote_backend", None) or {}
     flat_theirs = _leaves(theirs)
+    brought = _leaves(launcher)
     words = []
     for key, value in _leaves(mine).items():
-        if key not in flat_theirs:
+        if key not in flat_theirs and key not in brought:
             words.append(f"+{key}={_override_value(value, key)}")
-        elif flat_theirs[key] != value:
+        elif flat_theirs.get(key, brought.get(key)) != value:
             words.append(f"{key}={_override_value(value, key)}")
     group = OmegaConf.to_container(group_defaults, resolve=False) if group_defaults is not None else {}
     flat_group = _leaves(group) if isinstance(group, dict) else {}

@@ -125,7 +125,9 @@ class RemoteBackend(abc.ABC):
     async def update_weights(self) -> None:
         """Make the sampler use the weights the trainer just updated. In an overlapped run
         (:meth:`cannot_overlap`), requests already sampling may finish on the previous weights; every request
-        that starts after this returns samples from the new ones."""
+        that starts after this returns samples from the new ones. It may return before the sampler has them,
+        so that the trainer goes on with the next step, provided those later requests wait for them and the
+        trainer's next change to its weights waits until they are read (verl-remote-tinker does this)."""
 
     @abc.abstractmethod
     async def save_checkpoint(self, step: int, path: str) -> None:

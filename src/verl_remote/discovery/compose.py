@@ -199,7 +199,7 @@ def verl_overrides(config: DictConfig, group_defaults: DictConfig | None) -> lis
     mine = OmegaConf.to_container(config, resolve=False)
     theirs = OmegaConf.to_container(base, resolve=False)
     launcher = OmegaConf.to_container(
-        OmegaConf.create(files(CONFIG_MODULE).joinpath("verl_remote_launcher", "remote.yaml").read_text())
+        OmegaConf.create((files(CONFIG_MODULE) / "verl_remote_launcher" / "remote.yaml").read_text())
     )
     assert isinstance(mine, dict) and isinstance(theirs, dict) and isinstance(launcher, dict)
     backend = mine.pop("remote_backend", None) or {}

@@ -77,9 +77,13 @@ class _Forward(BaseHTTPRequestHandler):
         upstream = self.server.upstream
         conn = http.client.HTTPConnection(upstream.hostname or "127.0.0.1", upstream.port, timeout=600)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
-        conn.request(self.command, self.path, body=body, headers=headers)
-        answer = conn.getresponse()
-        data = answer.read()
+        try:
+            conn.request(self.command, self.path, body=body, headers=headers)
+            answer = conn.getresponse()
+            data = answer.read()
+        except OSError as exc:  # the service dropped the connection (at a run's end, say): as a gateway says it
+            self.send_error(502, f"upstream: {exc}")
+            return
         self.send_response(answer.status)
         for key, value in answer.getheaders():
             if key.lower() not in HOP_BY_HOP:

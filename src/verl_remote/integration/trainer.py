@@ -142,8 +142,6 @@ class RemotePPOTrainer(PPOTrainerSync):
             self.overlap = False
         with open_dict(config):
             config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
-            if self.overlap and config.trainer.v1.get(ASYNC_MODE) is None:  # verl's own launcher: not in its config
-                config.trainer.v1[ASYNC_MODE] = {"num_warmup_batches": 1}
         self.backend: RemoteBackend = backend_class.from_config(config)
         try:
             forwarders = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
@@ -233,7 +231,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         rest, padded, or verl's replay buffer stops with its own words. A backend's sampler that fails is a
         fault of the run: it stops here, naming the backend's error.
         """
-        servers = [server for replica in self.llm_server_manager.get_replicas() for server in replica.servers]
+        servers = self._rollout_servers()
         failures = [line for lines in ray.get([s.take_failures.remote() for s in servers]) for line in lines]
         if not failures:
             return
@@ -258,7 +256,9 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def on_train_begin(self) -> None:
         if self.overlap:  # the batch sampled ahead: the next step's prompts go out while this step trains
-            self._add_async_warmup_batches(float(self.config.trainer.v1[ASYNC_MODE].get("num_warmup_batches", 1)))
+            # verl reads its mode's section the same way: trainer.v1.get(trainer_mode, {}).
+            settings = self.config.trainer.v1.get(ASYNC_MODE) or {}
+            self._add_async_warmup_batches(float(settings.get("num_warmup_batches", 1)))
 
     def on_sample_end(self) -> None:
         self._check_rollouts(f"at step {self.global_steps}")
@@ -267,9 +267,13 @@ class RemotePPOTrainer(PPOTrainerSync):
         elif self.curr_step_profile:
             self._stop_rollout_profiling()
 
+    def _rollout_servers(self) -> list[Any]:
+        """Every rollout server actor of every replica."""
+        return [server for replica in self.llm_server_manager.get_replicas() for server in replica.servers]
+
     def _drain_rollouts(self) -> None:
         """Wait for the samples still in flight after the last step, so the backend is destroyed idle."""
-        servers = [server for replica in self.llm_server_manager.get_replicas() for server in replica.servers]
+        servers = self._rollout_servers()
         left = sum(ray.get([server.wait_idle.remote(DRAIN_TIMEOUT_S) for server in servers]))
         if left:
             log.warning("verl-remote: %d sampling requests still in flight after %.0f s", left, DRAIN_TIMEOUT_S)
@@ -311,7 +315,7 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _publish_weights_version(self) -> None:
         """Tell every rollout server which training step its weights come from."""
-        servers = [server for replica in self.llm_server_manager.get_replicas() for server in replica.servers]
+        servers = self._rollout_servers()
         ray.get([server.set_global_steps.remote(self.global_steps) for server in servers])
 
     def _compute_metrics(self, batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:

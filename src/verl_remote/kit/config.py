@@ -6,7 +6,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-__all__ = ["as_dict", "overlapped"]
+__all__ = ["OVERLAPPED_MODE", "as_dict", "overlapped"]
+
+#: ``trainer.v1.trainer_mode`` of a run that samples the next step while it trains this one.
+OVERLAPPED_MODE = "remote_async"
 
 
 def as_dict(node: Any) -> dict[str, Any]:
@@ -21,4 +24,4 @@ def overlapped(main_config: Any) -> bool:
     """Whether this run samples the next step while it trains the current one (``trainer.v1.trainer_mode`` is
     ``remote_async`` and the backend did not decline, :meth:`RemoteBackend.cannot_overlap`). A backend whose
     sampler shares the trainer's weights keeps a snapshot for sampling only then."""
-    return str(OmegaConf.select(main_config, "trainer.v1.trainer_mode", default="")) == "remote_async"
+    return str(OmegaConf.select(main_config, "trainer.v1.trainer_mode", default="")) == OVERLAPPED_MODE

@@ -34,7 +34,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_PACKAGES = ROOT / "tests" / "packages"
-REQUIRED = ("verl-remote-echo-backend", "verl-remote-broken-backend", "verl-remote-faulty-backend")
+REQUIRED = (
+    "verl-remote-echo-backend",
+    "verl-remote-broken-backend",
+    "verl-remote-faulty-backend",
+    "verl-remote-test-agent-loop",
+)
 
 #: Settings of every test run: no validation before the first step, none during the run, and no Ray dashboard (its
 #: head and module processes cost a run about 5 CPU-seconds of its 74; docs/measurements.md). A run that joins a
@@ -47,6 +52,32 @@ QUICK = (
     "trainer.test_freq=-1",
     "+ray_kwargs.ray_init.include_dashboard=false",
 )
+
+
+def two_turn() -> tuple[str, str]:
+    """The overrides that make verl run the tests' multi-turn agent loop (tests/packages/agent-loop) for every
+    prompt: the model answers in at most 2 tokens, the environment says ``user: <digit> <|im_end|> assistant:``
+    (4 tokens, response mask 0), the model answers again in what is left of the 8-token response; 4 turns."""
+    from importlib.util import find_spec
+
+    spec = find_spec("verl_remote_test_agent_loop")  # found, not imported: importing it imports verl
+    assert spec is not None and spec.origin is not None
+    config = Path(spec.origin).parent / "agent_loops.yaml"
+    return (
+        "actor_rollout_ref.rollout.agent.default_agent_loop=two_turn",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={config}",
+    )
+
+
+def assert_two_turn_run(log: str, steps: int) -> None:
+    """What verl's metrics show of :func:`two_turn` runs: 4 turns per trajectory every step, and the sampler's
+    log-probs of the model's tokens are the trainer's (the response mask keeps the environment's out)."""
+    for name in ("num_turns/min", "num_turns/max"):
+        assert metric(log, name) == [4.0] * steps, (name, metric(log, name))
+    diffs = metric(log, "training/rollout_probs_diff_max")
+    assert len(diffs) == steps and max(diffs) < 1e-4, diffs
+    assert max(metric(log, "response_length/max")) <= 8
+
 
 # Ray starts spare Python workers with a driver's first job; a run's actors rarely use them, and on 2 cores each
 # costs CPU the other runs of the suite need (about 7 CPU-seconds a run: docs/measurements.md). Every Ray

@@ -18,12 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from conftest import (
     KL_RECIPE,
     QUICK,
     Run,
     TrainRuns,
+    assert_two_turn_run,
     faulty_calls,
     finish,
     last_line,
@@ -36,7 +38,9 @@ from conftest import (
     step_row,
     steps,
     train,
+    two_turn,
 )
+from verl_remote.demo.assets import ensure_demo_assets
 from verl_remote.integration.watchdog import BOUND_S
 
 pytestmark = pytest.mark.train
@@ -164,18 +168,21 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     """One run stopped three ways, each stop resumed by the next run in the same folder:
 
     Ctrl-C after step 2 destroys the backend once (the run has a KL penalty: verl asks the backend for reference
-    log-probs each step); the next run resumes at step 3 and is killed (SIGKILL) in the middle of the step-6 save;
-    then the step-4 checkpoint is damaged on disk. Pinned to it, a resume is refused naming the file; in auto mode
-    the run after it passes over it to step 2, the newest complete one, with its exact weights, and resumes at
-    step 3 until its sampler fails at step 5. After SIGKILL the run's watchdog ends what Ray's own cleanup would
-    leave for minutes. (SIGTERM: tests/arctic/test_arctic_train.py and, through `ray job stop`,
-    tests/test_cluster.py.)
+    log-probs each step; and verl runs the tests' multi-turn agent loop: the backend trains on the model's turns
+    only, the environment's between them masked); the next run resumes at step 3 and is killed (SIGKILL) in the
+    middle of the step-6 save; then the step-4 checkpoint is damaged on disk. Pinned to it, a resume is refused
+    naming the file; in auto mode the run after it passes over it to step 2, the newest complete one, with its
+    exact weights, and resumes at step 3 until its sampler fails at step 5. After SIGKILL the run's watchdog ends
+    what Ray's own cleanup would leave for minutes. (SIGTERM: tests/arctic/test_arctic_train.py and, through
+    `ray job stop`, tests/test_cluster.py.)
     """
     calls = tmp_path / "calls.txt"
     backend = ["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2"]
     slow = "remote_backend.hold_after_save_s=30"  # the steps after a save are slow: the signal lands in the run
 
-    proc = start(tmp_path, *KL_RECIPE, *backend, slow, "trainer.total_training_steps=4")
+    batches = tmp_path / "batches.jsonl"
+    multi_turn = [*two_turn(), f"remote_backend.batches_log={batches}"]
+    proc = start(tmp_path, *KL_RECIPE, *backend, *multi_turn, slow, "trainer.total_training_steps=4")
     code, output = _stop_at(proc, step_row(2), signal.SIGINT)  # step 2 is logged after its checkpoint is written
     assert code == 130, output[-3000:]
     assert "verl-remote: interrupted; destroying the backend" in output
@@ -193,6 +200,22 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     assert len(metric(log, "timing_s/ref")) == 2  # verl asked for reference log-probs each step
     kl_loss = metric(log, "actor/kl_loss")
     assert kl_loss[0] == 0.0 and kl_loss[1] > 0.0  # identical to the frozen initial model before the first update
+    # Multi-turn: each row the backend trained on is the model's answer, the environment's 4 tokens masked out
+    # (`user: <digit> <|im_end|> assistant:`), the model's second answer; verl's metrics agree.
+    assert_two_turn_run(log, steps=2)
+    rows = [json.loads(line) for line in batches.read_text().splitlines()]
+    assert len(rows) >= 2 * 64 and len(rows) % 64 == 0, len(rows)  # steps of 64 trajectories, each trained once
+    tokenizer = AutoTokenizer.from_pretrained(ensure_demo_assets().model_path)
+    user, end, assistant = tokenizer.convert_tokens_to_ids(["user:", "<|im_end|>", "assistant:"])
+    digits = set(tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))
+    for row in rows:
+        tokens, mask = row["responses"], row["response_mask"]
+        masked = [i for i, bit in enumerate(mask) if bit == 0]
+        assert len(tokens) == len(mask) <= 8 and len(masked) == 4, row
+        first = masked[0]
+        assert 1 <= first <= 2 and masked == list(range(first, first + 4)) and first + 4 < len(tokens), row
+        heard = tokens[first : first + 4]
+        assert heard[0] == user and heard[1] in digits and heard[2:] == [end, assistant], row
 
     # SIGKILL in the middle of the step-6 save: the backend's part written, verl's not. With --verbose: every
     # process's output on the console.
@@ -270,13 +293,14 @@ STALENESS = "training/off_policy/trajectory_staleness"
 
 
 @pytest.mark.faults
-def test_remote_async_samples_the_next_step_during_this_one_stops_on_ctrl_c_and_resumes_with_no_newer_trajectory(
+def test_remote_async_samples_the_next_step_during_this_one_stops_on_sigterm_and_resumes_with_no_newer_trajectory(
     tmp_path: Path,
 ) -> None:
     """``trainer.v1.trainer_mode=remote_async`` on the local engine (through the faulty backend, which records
     its lifecycle calls): the first step trains on samples of the initial weights, every later one on samples at
-    most one update old, verl's staleness bound (``max_off_policy_threshold=2``) holding. Ctrl-C after step 2
-    destroys the backend once with the next step's samples in flight; the resumed run restores verl's
+    most one update old, verl's staleness bound (``max_off_policy_threshold=2``) holding. SIGTERM after step 2
+    (which the driver raises as Ctrl-C's KeyboardInterrupt: both stops take one path, tested synchronous in
+    the tests above) destroys the backend once with the next step's samples in flight; the resumed run restores verl's
     TransferQueue state from the step-2 checkpoint and trains on nothing sampled from weights newer than it.
     """
     calls = tmp_path / "calls.txt"
@@ -285,8 +309,10 @@ def test_remote_async_samples_the_next_step_during_this_one_stops_on_ctrl_c_and_
         "trainer.v1.trainer_mode=remote_async",
     ]  # fmt: skip
     proc = start(tmp_path, *overlapped, "remote_backend.hold_after_save_s=30", "trainer.total_training_steps=4")
-    code, output = _stop_at(proc, step_row(2), signal.SIGINT)
-    assert code == 130, output[-3000:]
+    code, output = _stop_at(proc, step_row(2), signal.SIGTERM)
+    assert code == 143, output[-3000:]
+    assert "verl-remote: terminated (SIGTERM); destroying the backend" in output
+    assert last_line(output) == "verl-remote train: terminated by SIGTERM"
     assert "cannot sample while it trains" not in output
     made = faulty_calls(calls)
     assert made[:4] == ["update_weights", "update_weights", "save_checkpoint 2", "update_weights"], made

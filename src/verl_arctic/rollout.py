@@ -40,8 +40,8 @@ class ArcticRolloutServer(RemoteRolloutServer):
     backend: ArcticBackend
 
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        # Arctic's /generate takes text: the prompt goes back through the tokenizer, special tokens kept. Arctic
-        # stops at the model's EOS itself; the base server cuts after any other stop id.
+        # Arctic's /generate takes text: the prompt goes back through the tokenizer, special tokens kept. Its
+        # sampling parameters are vLLM's: the stop ids (the model's EOS and any an agent loop adds) end a response.
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         body = {
             "temperature": params.temperature,
@@ -49,6 +49,7 @@ class ArcticRolloutServer(RemoteRolloutServer):
             "top_k": params.top_k if params.top_k > 0 else 0,
             "repetition_penalty": params.repetition_penalty,
             "max_tokens": params.max_tokens,
+            "stop_token_ids": list(params.stop_token_ids),
             "logprobs": 0 if params.logprobs else None,
         }
         result = await self.backend.generate(prompt, body)

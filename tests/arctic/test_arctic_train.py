@@ -21,6 +21,7 @@ from conftest import (
     KL_RECIPE,
     arctic_jobs,
     arctic_process,
+    assert_two_turn_run,
     finish,
     free_port,
     last_line,
@@ -32,6 +33,7 @@ from conftest import (
     step_row,
     steps,
     train,
+    two_turn,
 )
 
 pytestmark = pytest.mark.train
@@ -57,8 +59,8 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
 ) -> None:
     """One run stopped four ways, each stop resumed by the next run in the same folder:
 
-    - SIGTERM (kill, systemd, schedulers, `ray job stop`) after step 2 of GRPO with a KL penalty, which has
-      trained as it should until then: the jobs go, the checkpoint stays;
+    - SIGTERM (kill, systemd, schedulers, `ray job stop`) after step 2 of GRPO with a KL penalty and the tests'
+      multi-turn agent loop, which has trained as it should until then: the jobs go, the checkpoint stays;
     - SIGKILL of the driver after step 4: no chance to clean up, so the dead run's jobs stay on the service,
       recorded in its folder, and the next run removes them;
     - the service killed after step 6: the step stops in Arctic's words;
@@ -73,12 +75,13 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     log = tmp_path / "server.log"
     arctic = ["remote_backend=arctic", f"remote_backend.comms.url=http://127.0.0.1:{port}", "trainer.save_freq=2"]
     with arctic_process("main", log, port=port) as url:
-        proc = start(tmp_path, *KL_RECIPE, *arctic, "trainer.total_training_steps=4")
+        proc = start(tmp_path, *KL_RECIPE, *arctic, *two_turn(), "trainer.total_training_steps=4")
         seen = "".join(read_until(proc, step_row(2)))
         assert arctic_jobs(url) != {}
         proc.send_signal(signal.SIGTERM)
         rest = finish(proc, timeout=300)
         _assert_trained_two_kl_steps(seen, ckpt, "main")
+        assert_two_turn_run(run_log(ckpt), steps=2)  # each turn's text-in request: the trainer's tokens
         assert proc.returncode == 143, rest[-3000:]
         assert last_line(rest) == "verl-remote train: terminated by SIGTERM"
         assert "verl-remote: terminated (SIGTERM); destroying the backend" in rest

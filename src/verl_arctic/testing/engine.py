@@ -558,7 +558,9 @@ class JobModel:
         max_tokens = int(params.get("max_tokens") or 16)
         temperature = float(params.get("temperature", 1.0))
         want = params.get("logprobs")
+        # vLLM's SamplingParams: ignore_eos drops the EOS only; stop_token_ids stop the response too.
         stop = set() if params.get("ignore_eos") else {self.tokenizer.eos_token_id}
+        stop.update(int(t) for t in params.get("stop_token_ids") or ())
         self.model.eval()
         ids, past, tokens, logprobs = torch.tensor([prompt_ids]), None, [], []
         finish = "length"

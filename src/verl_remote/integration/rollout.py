@@ -48,7 +48,8 @@ class SamplingParams:
 
     #: The token budget: verl's response length, capped by the model length (RemoteRolloutServer.max_tokens).
     max_tokens: int
-    #: The model's end-of-sequence ids: the response ends right after the first one sampled.
+    #: The model's end-of-sequence ids, and those the request adds (verl's tool agent loop adds its tool parser's):
+    #: the response ends right after the first one sampled.
     stop_token_ids: tuple[int, ...] = field(default=())
     #: 0 means greedy decoding (verl's validation default).
     temperature: float = 1.0
@@ -67,9 +68,16 @@ class SamplingParams:
             value = sampling_params.get(key)
             return default if value is None else float(value)
 
+        if sampling_params.get("stop"):
+            raise ValueError(
+                f"sampling_params['stop'] ({sampling_params['stop']!r}): verl-remote's replicas stop on token ids "
+                "only; have the agent loop pass sampling_params['stop_token_ids'] instead"
+            )
+        # vLLM's meaning, which verl's own rollout has: the request's stop ids add to the model's EOS.
+        requested = sampling_params.get("stop_token_ids") or ()
         return cls(
             max_tokens=int(max_tokens),
-            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            stop_token_ids=tuple(dict.fromkeys(int(t) for t in (*stop_token_ids, *requested))),
             temperature=number("temperature", 1.0),
             top_p=number("top_p", 1.0),
             top_k=int(number("top_k", -1)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 from typing import Any, ClassVar
 
@@ -83,6 +84,16 @@ class FaultyBackend(LocalBackend):
 
 class FaultyWorker(LocalForwarderWorker):
     backend: FaultyBackend
+
+    def backend_forward_backward(self, mini_batch: Any, meta: dict[str, Any]) -> dict[str, float]:
+        # remote_backend.batches_log: each row the backend trains on, its response and response mask, one JSON line.
+        log = self.backend.settings.get("batches_log")
+        if log:
+            rows = zip(mini_batch["responses"].unbind(0), mini_batch["response_mask"].unbind(0), strict=True)
+            with open(log, "a") as fp:
+                for response, mask in rows:
+                    fp.write(json.dumps({"responses": response.tolist(), "response_mask": mask.tolist()}) + "\n")
+        return super().backend_forward_backward(mini_batch, meta)
 
     def backend_log_probs(
         self, data: Any, *, temperature: float, calculate_entropy: bool, reference: bool

@@ -45,6 +45,7 @@ def test_a_complete_backend_can_be_built_and_defaults_to_many_forwarders_and_ove
     backend = _complete_backend().from_config(None)
     assert backend.requires_single_forwarder() is False
     assert backend.cannot_overlap(OmegaConf.create({})) is None
+    assert backend.background_weight_sync is False  # an overlapped run waits for its sync unless it says so
 
 
 @pytest.mark.parametrize(

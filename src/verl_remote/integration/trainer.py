@@ -44,6 +44,7 @@ import asyncio
 import logging
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -142,6 +143,10 @@ class RemotePPOTrainer(PPOTrainerSync):
             self.overlap = False
         with open_dict(config):
             config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
+        #: The weight sync runs beside the next step (RemoteBackend.background_weight_sync); the one in flight.
+        self.background_sync = self.overlap and backend_class.background_weight_sync
+        self._sync: Future[None] | None = None
+        self._syncer: ThreadPoolExecutor | None = None
         self.backend: RemoteBackend = backend_class.from_config(config)
         try:
             forwarders = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
@@ -182,6 +187,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         """verl's loop; the backend is destroyed once whatever ends it (verl's own TaskRunner does not)."""
         try:
             super().fit(agent_loop_manager)
+            self._wait_for_sync()
             if self.overlap:
                 self._drain_rollouts()
         finally:
@@ -211,6 +217,7 @@ class RemotePPOTrainer(PPOTrainerSync):
     def _save_checkpoint(self) -> None:
         """verl's save, then the completion record that makes it count (:mod:`verl_remote.integration.checkpoints`)."""
         self._stop_if_destroyed()
+        self._wait_for_sync()
         super()._save_checkpoint()
         folder = os.path.join(str(self.config.trainer.default_local_dir), f"global_step_{self.global_steps}")
         if os.path.isdir(folder):
@@ -280,6 +287,7 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _validate(self) -> Any:
         self._stop_if_destroyed()
+        self._wait_for_sync()  # validation samples the weights the last step trained
         self._service_waits()  # the start-up's (before the first validation), or none: not a step's
         try:
             result = super()._validate()
@@ -313,10 +321,11 @@ class RemotePPOTrainer(PPOTrainerSync):
                 self.summary.shares.setdefault(phase, []).append(seconds / took)
         return metrics
 
-    def _publish_weights_version(self) -> None:
-        """Tell every rollout server which training step its weights come from."""
+    def _publish_weights_version(self, version: int | None = None) -> None:
+        """Tell every rollout server which training step its weights come from (by default, this one)."""
+        version = int(self.global_steps) if version is None else version
         servers = self._rollout_servers()
-        ray.get([server.set_global_steps.remote(self.global_steps) for server in servers])
+        ray.get([server.set_global_steps.remote(version) for server in servers])
 
     def _compute_metrics(self, batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         result = super()._compute_metrics(batch, metrics, *args, **kwargs)
@@ -333,8 +342,36 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def on_step_end(self, **kwargs: Any) -> None:
         self._stop_if_destroyed()  # the weight sync
+        if self.background_sync:
+            self._wait_for_sync()  # one at a time
+            self._sync_beside_next_step()
+            return
         super().on_step_end(**kwargs)
         self._publish_weights_version()
+
+    def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        self._wait_for_sync()  # the update changes the weights the sync reads
+        return super()._update_actor(batch, metrics)
+
+    def _sync_beside_next_step(self) -> None:
+        """Start the backend's weight sync in a thread and go on (RemoteBackend.background_weight_sync): the
+        replicas get the new version when it is done."""
+        version = int(self.global_steps)
+
+        def sync() -> None:
+            asyncio.run(self.backend.update_weights())
+            if not self._destroyed:
+                self._publish_weights_version(version)
+
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-remote-sync")
+        self._sync = self._syncer.submit(sync)
+
+    def _wait_for_sync(self) -> None:
+        """Wait for the weight sync in flight, if any; its error stops the run here."""
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.result()
 
     def destroy_backend(self) -> None:
         """Destroy the backend once; later calls do nothing. Safe from any thread."""
@@ -343,6 +380,8 @@ class RemotePPOTrainer(PPOTrainerSync):
                 return
             self._destroyed = True
         log.info("verl-remote: destroying backend '%s'", self.backend_name)
+        if self._syncer is not None:  # a sync still in flight fails against the destroyed backend, unread
+            self._syncer.shutdown(wait=False)
         asyncio.run(self.backend.destroy())
 
 

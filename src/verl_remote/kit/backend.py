@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import inspect
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["RemoteBackend"]
 
@@ -121,13 +121,25 @@ class RemoteBackend(abc.ABC):
         """
         return None
 
+    #: Whether an overlapped run may go on with its next step while :meth:`update_weights` runs (default
+    #: False). The trainer then calls it in a thread of its own, on the instance :meth:`create` returned; the
+    #: next step's log-prob calls run beside it, and the step's update, a checkpoint, a validation and the next
+    #: sync wait until it returns (its error stops the run there). The rollout replicas learn the new weights
+    #: version only once it has returned, so a request that started before is tagged with the older one.
+    #: Declare it when the sync leaves the trainer's weights as they are and the service takes (or queues)
+    #: log-prob calls while it syncs: Arctic's separate engines do (verl-arctic). A sync that is mostly one
+    #: call's latency then costs a step nothing beyond the log-probs'.
+    background_weight_sync: ClassVar[bool] = False
+
     @abc.abstractmethod
     async def update_weights(self) -> None:
         """Make the sampler use the weights the trainer just updated. In an overlapped run
         (:meth:`cannot_overlap`), requests already sampling may finish on the previous weights; every request
         that starts after this returns samples from the new ones. It may return before the sampler has them,
         so that the trainer goes on with the next step, provided those later requests wait for them and the
-        trainer's next change to its weights waits until they are read (verl-remote-tinker does this)."""
+        trainer's next change to its weights waits until they are read (verl-remote-tinker does this); or the
+        backend declares :attr:`background_weight_sync` and the trainer runs the whole call beside its next
+        step."""
 
     @abc.abstractmethod
     async def save_checkpoint(self, step: int, path: str) -> None:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.train  # a check starts the demo's model in Ray workers
 
 CHECK_NAMES = [
     "spec", "contract", "from_config", "reconnect_handle", "worker_reattaches", "sampler_reattaches",
-    "log_prob_layout", "reference", "sampler", "training_step", "weight_sync", "checkpoint", "destroy",
+    "log_prob_layout", "reference", "sampler", "training_step", "weight_sync", "checkpoint", "overlap", "destroy",
 ]  # fmt: skip
 
 
@@ -61,6 +61,7 @@ def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones(cli_main:
         ("greedy_ignored", "sampler", "temperature 0 (verl's validation default) means greedy decoding"),
         # With a quirk that is no defect (verl never reads a row's last position): the checks before pass it.
         ("[pad_log_prob_at_end,load_nothing]", "checkpoint", "restore the weights"),
+        ("samples_live_weights", "overlap", "sample from the weights of the last update_weights"),
     ],
 )
 def test_a_broken_backend_fails_the_check_that_names_its_defect(

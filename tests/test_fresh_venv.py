@@ -156,7 +156,7 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
             900,
         )
         assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-        assert checked.stdout.strip().splitlines()[-1] == "check tinker: 13 passed, 0 failed", checked.stdout[-3000:]
+        assert checked.stdout.strip().splitlines()[-1] == "check tinker: 14 passed, 0 failed", checked.stdout[-3000:]
     finally:
         server.send_signal(signal.SIGINT)  # Ctrl-C
         server.communicate(timeout=120)
@@ -318,5 +318,5 @@ def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, 
 
     checked = paste(check, checkout.folder, timeout=900)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-    assert checked.stdout.strip().splitlines()[-1] == "check local: 13 passed, 0 failed", checked.stdout[-3000:]
+    assert checked.stdout.strip().splitlines()[-1] == "check local: 14 passed, 0 failed", checked.stdout[-3000:]
     assert not run("pgrep", "-f", "VLLM|EngineCore").stdout  # each run stopped the engine's processes

@@ -81,6 +81,8 @@ class _State:
     responses: list[list[int]] = field(default_factory=list)
     sampled_log_probs: list[list[float]] = field(default_factory=list)
     folder: str = ""
+    #: Why the backend declines an overlapped run (RemoteBackend.cannot_overlap), or None when it runs one.
+    declines: str | None = None
 
 
 def _packed(rows: list[list[Any]], dtype: Any) -> Any:
@@ -131,6 +133,7 @@ class Conformance:
             load(self.name)
         from verl_remote.demo import resolve_demo_assets
         from verl_remote.discovery.compose import compose_config
+        from verl_remote.kit.config import OVERLAPPED_MODE, overlapped
 
         # A KL term on, so that the reference path and the loss's KL term are checked too (overrides win).
         kl = "actor_rollout_ref.actor.use_kl_loss=true"
@@ -138,7 +141,19 @@ class Conformance:
         # hand it to its service (Arctic's training job saves there). Removed by the cleanup.
         self.state.folder = tempfile.mkdtemp(prefix="verl-remote-check-")
         folder = f"trainer.default_local_dir={self.state.folder}"
-        config = compose_config([kl, folder, f"remote_backend={self.name}", *self.overrides])
+        base = [kl, folder, f"remote_backend={self.name}"]
+        # Built for an overlapped run (sampling while it trains) unless the backend declines one or the
+        # overrides choose a mode: the overlap check then asks that its sampler keeps the synced weights.
+        config = compose_config([*base, *self.overrides])
+        if not any(o.lstrip("+").startswith("trainer.v1.trainer_mode=") for o in self.overrides):
+            asked = compose_config([*base, f"trainer.v1.trainer_mode={OVERLAPPED_MODE}", *self.overrides])
+            self.state.declines = load_backend_class(self.name).cannot_overlap(asked)
+            if self.state.declines is None:
+                config = asked
+        elif not overlapped(config):
+            self.state.declines = f"the check runs trainer.v1.trainer_mode={config.trainer.v1.trainer_mode}"
+        else:
+            self.state.declines = load_backend_class(self.name).cannot_overlap(config)
         _expect(
             config.remote_backend.get("name") == self.name,
             f"the group file's name is {config.remote_backend.get('name')!r}",
@@ -415,6 +430,42 @@ class Conformance:
         )
         return f"max difference {diff:.2g}"
 
+    def check_overlap(self) -> str:
+        """overlap: while the trainer updates, the sampler keeps the weights of the last update_weights."""
+        import ray
+
+        if self.state.declines is not None:
+            return f"not asked: the backend declines overlapped runs ({self.state.declines})"
+        path = os.path.join(self.state.folder, "global_step_2", "actor")
+        os.makedirs(path)
+        asyncio.run(self.state.backend.update_weights())
+        asyncio.run(self.state.backend.save_checkpoint(2, path))
+        trained, responses = self._sample_rows(max_tokens=4)
+        fields, meta = self._mini_batch(trained, responses, self._log_probs(trained, [len(r) for r in responses]))
+        ray.get(self.state.worker.forward_backward.remote(fields, meta), timeout=600)
+        ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
+        # Sampled after the update, before a sync: from the synced weights, which the save holds.
+        rows, responses = self._sample_rows(max_tokens=4)
+        sampled = self.state.sampled_log_probs
+        lengths = [len(r) for r in responses]
+        updated = _responses_of(self._log_probs(rows, lengths), rows, responses)
+        asyncio.run(self.state.backend.load_checkpoint(2, path))
+        synced = _responses_of(self._log_probs(rows, lengths), rows, responses)
+
+        def gap(scores: list[np.ndarray]) -> float:
+            return max(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(scores, sampled, strict=True))
+
+        off, live = gap(synced), gap(updated)
+        _expect(
+            off <= self.atol,
+            f"after an update without update_weights the sampler's log-probs differ from the synced weights' by up "
+            f"to {off:.3g} (from the updated weights' by {live:.3g})",
+            "in an overlapped run (trainer.v1.trainer_mode=remote_async) the sampler samples while the trainer "
+            "updates: sample from the weights of the last update_weights (a separate sampling job, a snapshot, a "
+            "copy kept when verl_remote.overlapped(main_config)), or return a reason from cannot_overlap",
+        )
+        return f"max difference {off:.2g} (the update moved them by {live:.2g})"
+
     def check_destroy(self) -> str:
         """destroy: idempotent, and nothing the backend started is left running."""
         import ray
@@ -553,6 +604,7 @@ CHECKS: list[tuple[str, str]] = [
     ("training_step", "check_training_step"),
     ("weight_sync", "check_weight_sync"),
     ("checkpoint", "check_checkpoint"),
+    ("overlap", "check_overlap"),
     ("destroy", "check_destroy"),
 ]
 

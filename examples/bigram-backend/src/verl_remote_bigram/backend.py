@@ -48,7 +48,7 @@ class BigramBackend(RemoteBackend):
         return True  # one service, one optimizer: one caller per step
 
     async def update_weights(self) -> None:
-        pass  # the sampler reads the trained weights themselves
+        await self.model.publish.remote()
 
     async def save_checkpoint(self, step: int, path: str) -> None:
         await self.model.save.remote(path)

@@ -22,6 +22,9 @@ class BigramService:
         torch.manual_seed(seed)
         self.weight = torch.nn.Parameter(torch.randn(vocab_size, vocab_size) * 0.02)  # logits[current, next]
         self.initial = self.weight.detach().clone()
+        # What the sampler samples from: the weights of the last publish (the weight sync), not the live ones,
+        # so that sampling may go on while the trainer updates (an overlapped run).
+        self.sampling = self.weight.detach().clone()
         self.actor_config = actor_config
         optim = actor_config["optim"]
         self.optimizer = torch.optim.AdamW([self.weight], lr=optim["lr"], weight_decay=optim["weight_decay"])
@@ -62,6 +65,10 @@ class BigramService:
         # Per token: a softmax over the vocabulary forward (about 5 V) and backward (twice that).
         return 15.0 * self.weight.shape[0] * sum(seqlens)
 
+    def publish(self) -> None:
+        """The weight sync: the sampler gets the trained weights."""
+        self.sampling = self.weight.detach().clone()
+
     def sample(
         self, prompt_ids: list[int], max_tokens: int, temperature: float, stop_ids: list[int]
     ) -> tuple[list[int], list[float]]:
@@ -72,7 +79,7 @@ class BigramService:
         current = prompt_ids[-1]
         with torch.no_grad():
             while len(tokens) < max_tokens:
-                dist = F.log_softmax(self.weight[current] / max(temperature, 1e-6), dim=-1)
+                dist = F.log_softmax(self.sampling[current] / max(temperature, 1e-6), dim=-1)
                 current = int(dist.argmax()) if temperature <= 0 else int(torch.multinomial(dist.exp(), 1))
                 tokens.append(current)
                 log_probs.append(float(dist[current]))

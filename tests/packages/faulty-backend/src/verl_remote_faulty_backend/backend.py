@@ -9,6 +9,7 @@ import os
 from typing import Any, ClassVar
 
 import torch
+from omegaconf import OmegaConf
 
 from verl_remote import RemoteRolloutServer, SampleResult, SamplingParams
 from verl_remote.backends.local.backend import LocalBackend
@@ -25,6 +26,10 @@ class FaultyBackend(LocalBackend):
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> FaultyBackend:
+        defect = main_config.remote_backend.get("defect")
+        if handle is None and defect is not None and "samples_live_weights" in str(defect):
+            # The engine built as for a synchronous run: no copy for sampling, whatever the run's mode.
+            main_config = OmegaConf.merge(main_config, {"trainer": {"v1": {"trainer_mode": "remote"}}})
         backend = super().from_config(main_config, handle=handle)
         assert isinstance(backend, FaultyBackend)
         backend.settings = dict(main_config.remote_backend)

@@ -144,16 +144,15 @@ class Conformance:
         base = [kl, folder, f"remote_backend={self.name}"]
         # Built for an overlapped run (sampling while it trains) unless the backend declines one or the
         # overrides choose a mode: the overlap check then asks that its sampler keeps the synced weights.
-        config = compose_config([*base, *self.overrides])
-        if not any(o.lstrip("+").startswith("trainer.v1.trainer_mode=") for o in self.overrides):
-            asked = compose_config([*base, f"trainer.v1.trainer_mode={OVERLAPPED_MODE}", *self.overrides])
-            self.state.declines = load_backend_class(self.name).cannot_overlap(asked)
-            if self.state.declines is None:
-                config = asked
-        elif not overlapped(config):
+        chosen = any(o.lstrip("+").startswith("trainer.v1.trainer_mode=") for o in self.overrides)
+        mode = [] if chosen else [f"trainer.v1.trainer_mode={OVERLAPPED_MODE}"]
+        config = compose_config([*base, *mode, *self.overrides])
+        if not overlapped(config):
             self.state.declines = f"the check runs trainer.v1.trainer_mode={config.trainer.v1.trainer_mode}"
         else:
             self.state.declines = load_backend_class(self.name).cannot_overlap(config)
+            if self.state.declines is not None and not chosen:  # checked as its runs will run: synchronous
+                config = compose_config([*base, *self.overrides])
         _expect(
             config.remote_backend.get("name") == self.name,
             f"the group file's name is {config.remote_backend.get('name')!r}",
@@ -413,11 +412,7 @@ class Conformance:
         lengths = [len(r) for r in responses]
         saved = self._log_probs(rows, lengths)
         asyncio.run(self.state.backend.save_checkpoint(1, path))
-        fields, meta = self._mini_batch(rows, responses, saved)
-        import ray
-
-        ray.get(self.state.worker.forward_backward.remote(fields, meta), timeout=600)
-        ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
+        self._train_step(rows, responses, saved)
         changed = self._log_probs(rows, lengths)
         _expect(float(np.abs(changed - saved).max()) > 0, "a training step after the save changed nothing")
         asyncio.run(self.state.backend.load_checkpoint(1, path))
@@ -432,8 +427,6 @@ class Conformance:
 
     def check_overlap(self) -> str:
         """overlap: while the trainer updates, the sampler keeps the weights of the last update_weights."""
-        import ray
-
         if self.state.declines is not None:
             return f"not asked: the backend declines overlapped runs ({self.state.declines})"
         path = os.path.join(self.state.folder, "global_step_2", "actor")
@@ -441,9 +434,7 @@ class Conformance:
         asyncio.run(self.state.backend.update_weights())
         asyncio.run(self.state.backend.save_checkpoint(2, path))
         trained, responses = self._sample_rows(max_tokens=4)
-        fields, meta = self._mini_batch(trained, responses, self._log_probs(trained, [len(r) for r in responses]))
-        ray.get(self.state.worker.forward_backward.remote(fields, meta), timeout=600)
-        ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
+        self._train_step(trained, responses, self._log_probs(trained, [len(r) for r in responses]))
         # Sampled after the update, before a sync: from the synced weights, which the save holds.
         rows, responses = self._sample_rows(max_tokens=4)
         sampled = self.state.sampled_log_probs
@@ -523,6 +514,14 @@ class Conformance:
         self.state.sampled_log_probs = [o["log_probs"] for o in outs]
         rows = [p + r for p, r in zip(self.state.prompts, responses, strict=True)]
         return rows, responses
+
+    def _train_step(self, rows: list[list[int]], responses: list[list[int]], log_probs: np.ndarray) -> None:
+        """One forward-backward pass and optimizer step on ``rows``, with these as the old log-probs."""
+        import ray
+
+        fields, meta = self._mini_batch(rows, responses, log_probs)
+        ray.get(self.state.worker.forward_backward.remote(fields, meta), timeout=600)
+        ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
 
     def _mini_batch(
         self, rows: list[list[int]], responses: list[list[int]], log_probs: np.ndarray

@@ -12,7 +12,8 @@ backend is a Ray actor, not reached over HTTP: it is measured without latency on
 
 Arctic runs against verl-arctic's test server (its engines on separate devices: ``remote_backend.colocate=false``)
 and Tinker against SkyRL's Tinker server (``verl_remote_tinker.testing.local_server``, whose environment is
-built on first use); each is started once and shared by its runs. Needs verl-arctic and verl-remote-tinker
+built on first use; ``remote_backend.snapshot_sampling=true``, as its sampler is no snapshot); each is started
+once and shared by its runs. Needs verl-arctic and verl-remote-tinker
 installed. Every run's log stays under ``--workdir`` (default: a new temporary folder).
 """
 
@@ -150,7 +151,11 @@ def backend_overrides(backend: str, url: str | None) -> list[str]:
     if backend == "arctic":
         return ["remote_backend=arctic", f"remote_backend.comms.url={url}", "remote_backend.comms.api=main",
                 "remote_backend.colocate=false"]  # fmt: skip
-    return ["--recipe", str(ROOT / "configs" / "tinker-local-server.yaml"), f"remote_backend.base_url={url}"]
+    # SkyRL's server samples from the adapter it trains (the backend declines overlapped runs there by default):
+    # taken for a snapshot service, as hosted Tinker is, the overlapped runs have hosted Tinker's timing and
+    # fresher samples than their staleness tags say.
+    return ["--recipe", str(ROOT / "configs" / "tinker-local-server.yaml"), f"remote_backend.base_url={url}",
+            "remote_backend.snapshot_sampling=true"]  # fmt: skip
 
 
 def seed_overrides(backend: str, seed: int) -> list[str]:

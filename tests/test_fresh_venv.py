@@ -156,14 +156,14 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
             checkout.folder,
             900,
         )
-        # Every check passes but overlap: SkyRL's server samples a LoRA model's last saved sampler weights from
-        # the adapter in memory, which the next optimizer step changes (skyrl 0.4.0 backends/jax.py:1031-1034),
-        # where a Tinker SamplingClient is a snapshot of the weights it was saved from.
-        assert checked.returncode == 1, checked.stdout[-3000:] + checked.stderr[-3000:]
-        assert checked.stdout.strip().splitlines()[-1] == "check tinker: 13 passed, 1 failed", checked.stdout[-3000:]
+        # Every check passes. The backend declines overlapped runs on SkyRL's server, whose sampler is the adapter
+        # it trains, not a snapshot (skyrl 0.4.0 backends/jax.py:1031-1034; the suite's tests/tinker_service show
+        # it), so the check is synchronous and says why its overlap check is not asked.
+        assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+        assert checked.stdout.strip().splitlines()[-1] == "check tinker: 14 passed, 0 failed", checked.stdout[-3000:]
         assert re.search(
-            r"\[FAIL\] overlap: after an update without update_weights the sampler's log-probs differ from the synced "
-            r"weights' by up to \S+ \(from the updated weights' by \S+e-0[5-9]\)",
+            r"\[ok  \] overlap: not asked: the backend declines overlapped runs \(SkyRL's Tinker server samples a LoRA "
+            r"model from the adapter its optimizer steps",
             checked.stdout,
         ), checked.stdout[-3000:]
     finally:

@@ -60,19 +60,54 @@ def check_objective(actor: dict[str, Any], rollout: dict[str, Any]) -> None:
 def loss_reduction(settings: dict[str, Any], timeout: float = 10.0) -> str:
     """How the service reduces a loss over tokens (remote_backend.loss_reduction, auto resolved).
 
-    auto: SkyRL's Tinker server names itself "Tinker API Mock" at ``GET /`` (skyrl/tinker/api.py, ``root``) and
-    its JAX backend divides each sequence's loss by the sum of its weights and the accumulated gradient by the
-    number of sequences (skyrl/backends/jax.py, ``loss_for_lora`` and ``AccumulatedGradients.get_mean``):
-    sequence_mean. Any other service: Tinker's documented sum.
+    auto: SkyRL's JAX backend divides each sequence's loss by the sum of its weights and the accumulated
+    gradient by the number of sequences (skyrl/backends/jax.py, ``loss_for_lora`` and
+    ``AccumulatedGradients.get_mean``): sequence_mean on SkyRL's server. Any other service: Tinker's documented
+    sum.
     """
     value = _reduction_setting(settings)
     if value in REDUCTIONS:
         return value
+    return "sequence_mean" if serves_skyrl(settings, timeout) else "sum"
+
+
+def serves_skyrl(settings: dict[str, Any], timeout: float = 10.0) -> bool:
+    """Whether the service is SkyRL's Tinker server, which names itself "Tinker API Mock" at ``GET /``
+    (skyrl 0.4.0 tinker/api.py:2093-2098, ``root``); False where nothing answers."""
+    if not settings.get("base_url"):
+        return False
     try:
         answer = httpx.get(str(settings["base_url"]).rstrip("/") + "/", timeout=timeout).json()
     except (httpx.HTTPError, ValueError):
-        return "sum"
-    return "sequence_mean" if isinstance(answer, dict) and answer.get("name") == "Tinker API Mock" else "sum"
+        return False
+    return isinstance(answer, dict) and answer.get("name") == "Tinker API Mock"
+
+
+#: Why an overlapped run on SkyRL's server would sample the wrong weights.
+SKYRL_LIVE_SAMPLER = (
+    "SkyRL's Tinker server samples a LoRA model from the adapter its optimizer steps, not from a snapshot of the "
+    "last saved sampler weights (skyrl 0.4.0 backends/jax.py:1031-1034), so the next step's samples would come "
+    "from weights verl's staleness tags do not name; remote_backend.snapshot_sampling=true overlaps anyway"
+)
+
+
+def _snapshot_setting(settings: dict[str, Any]) -> bool | str:
+    value = settings.get("snapshot_sampling", "auto")
+    if isinstance(value, bool):
+        return value
+    if value == "auto":
+        return "auto"
+    raise ValueError(f"remote_backend.snapshot_sampling={value}: use auto, true or false")
+
+
+def snapshot_sampling(settings: dict[str, Any], timeout: float = 10.0) -> bool:
+    """Whether a sampler keeps the weights it was saved from while the trainer goes on changing them
+    (remote_backend.snapshot_sampling, auto resolved): a Tinker ``SamplingClient`` is such a snapshot; auto says
+    so of every service but SkyRL's server (:data:`SKYRL_LIVE_SAMPLER`)."""
+    value = _snapshot_setting(settings)
+    if isinstance(value, bool):
+        return value
+    return not serves_skyrl(settings, timeout)
 
 
 class TinkerBackend(RemoteBackend):
@@ -91,7 +126,17 @@ class TinkerBackend(RemoteBackend):
         _lora_rank(settings)
         check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
         _reduction_setting(settings)
+        _snapshot_setting(settings)
         _healthy(settings)
+
+    @classmethod
+    def cannot_overlap(cls, main_config: Any) -> str | None:
+        settings = as_dict(main_config.remote_backend)
+        if snapshot_sampling(settings, timeout=float(settings.get("connect_timeout_s", 10))):
+            return None
+        if settings.get("snapshot_sampling") is False:
+            return "remote_backend.snapshot_sampling=false: the service samples from the weights it trains"
+        return SKYRL_LIVE_SAMPLER
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> TinkerBackend:

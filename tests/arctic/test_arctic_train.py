@@ -133,6 +133,12 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     assert left_behind(tmp_path) == {}
     staleness = metric(run_log(ckpt), "training/off_policy/trajectory_staleness/max")
     assert staleness[:2] == [0, 1], staleness  # step 5 on the resumed weights' samples, step 6 on step 5's
+    # The weight sync ran beside the next step (background_weight_sync): that step logs the sync's own time and
+    # the part of it the step waited for.
+    took = metric(run_log(ckpt), "timing_s/update_weights")
+    waited = metric(run_log(ckpt), "timing_s/update_weights_wait")
+    assert len(took) == len(waited) >= 1 and all(t > 0 for t in took), (took, waited)
+    assert all(0 <= w <= t for w, t in zip(waited, took, strict=True)), (took, waited)
 
     # The service is back (empty, as after a restart), but its sampler leaves out the log-probs the run asks for.
     with arctic_process("main", tmp_path / "server-back.log", "--without-sampled-logprobs", port=port):

@@ -175,6 +175,17 @@ def test_loss_reduction_takes_an_explicit_value_and_refuses_others() -> None:
         loss_reduction({"loss_reduction": "mean", "base_url": "http://127.0.0.1:1"})
 
 
+def test_an_overlapped_run_is_declined_where_the_sampler_is_no_snapshot(dead_url: str) -> None:
+    # Nothing answers at dead_url, so auto takes it for a snapshot service (hosted Tinker's SamplingClient);
+    # against SkyRL's server auto declines (tests/tinker_service/test_tinker_server.py).
+    assert TinkerBackend.cannot_overlap(_config(base_url=dead_url, snapshot_sampling="auto")) is None
+    assert TinkerBackend.cannot_overlap(_config(base_url=dead_url, snapshot_sampling=True)) is None
+    reason = TinkerBackend.cannot_overlap(_config(base_url=dead_url, snapshot_sampling=False))
+    assert reason == "remote_backend.snapshot_sampling=false: the service samples from the weights it trains"
+    with pytest.raises(ValueError, match=r"remote_backend.snapshot_sampling=sometimes: use auto, true or false"):
+        TinkerBackend.preflight(_config(base_url=dead_url, snapshot_sampling="sometimes"))
+
+
 def _config(**backend: Any) -> Any:
     return OmegaConf.create(
         {

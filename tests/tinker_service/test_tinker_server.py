@@ -40,7 +40,7 @@ from conftest import (
 from verl_remote.demo import resolve_demo_assets
 from verl_remote.discovery.compose import compose_config
 from verl_remote.kit.compute import actor_loss
-from verl_remote_tinker.backend import TinkerBackend
+from verl_remote_tinker.backend import SKYRL_LIVE_SAMPLER, TinkerBackend
 from verl_remote_tinker.session import SDK_RANGE, TinkerError, TinkerSession
 from verl_remote_tinker.testing.local_server import LocalServer
 from verl_remote_tinker.testing.proxy import Fault, TinkerProxy
@@ -310,6 +310,22 @@ def test_the_sdk_trains_on_the_server_whose_engine_runs_in_its_session(tinker_se
     logprobs = np.asarray(out.loss_fn_outputs[0]["logprobs"].data)
     assert logprobs.shape == (7,)
     assert np.isfinite(logprobs).all() and (logprobs <= 0).all()
+
+    # Its sampling client is no snapshot: it samples the adapter in memory, which the next optimizer step
+    # changes (skyrl 0.4.0 backends/jax.py:1031-1034), so the backend declines overlapped runs on this server
+    # (TinkerBackend.cannot_overlap; hosted Tinker's SamplingClient keeps the weights it was saved from).
+    sampler = training.save_weights_and_get_sampling_client()
+
+    def sampled() -> np.ndarray:  # one value per next token (SkyRL leaves out the first token's None)
+        return np.asarray(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[-7:], dtype=float)
+
+    synced = sampled()
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    after = sampled()
+    trained = np.asarray(training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data)
+    assert np.abs(after - synced).max() > 1e-3  # the step moved what the saved sampler samples
+    assert np.abs(after - trained).max() < 1e-4  # to the trainer's weights
     [model] = _loaded(tinker_server)
     _unload(tinker_server, model)  # the server holds nothing for the next test
     service.holder.close()  # the SDK's session heartbeat
@@ -320,14 +336,21 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     tinker_server: LocalServer, tmp_path: Path, ray_left_behind: Any
 ) -> None:
     # The first run meets a rate limit, as hosted Tinker answers one (a proxy in front of the server): the SDK
-    # waits it out, the console says so once.
+    # waits it out, the console says so once. It asks for an overlapped run, which the backend declines on
+    # SkyRL's server (its sampler is the adapter it trains, no snapshot): one line, then a synchronous run.
     with TinkerProxy(tinker_server.url) as limited:
         limited.inject(Fault("/api/v1/asample", 429, headers={"Retry-After": "1"}, body={"detail": "Rate limit"}))
         first = train(
             tmp_path, *_tinker(limited.url), *two_turn(), "trainer.total_training_steps=2", "trainer.save_freq=2",
-            env=SECRET,
+            "trainer.v1.trainer_mode=remote_async", env=SECRET,
         )  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    declined = [line for line in first.stdout.splitlines() if "cannot sample while it trains" in line]
+    assert len(declined) == 1, declined
+    assert (
+        f"verl-remote: backend 'tinker' cannot sample while it trains ({SKYRL_LIVE_SAMPLER}): this run is "
+        "synchronous (trainer.v1.trainer_mode=remote)"
+    ) in declined[0], declined
     assert steps(first.stdout) == [1, 2]
     assert limited.api_keys == {SECRET["TINKER_API_KEY"]}  # the key reached the service, and only that key
     paused = [line for line in (first.stdout + first.stderr).splitlines() if "paused requests (asample)" in line]
@@ -353,16 +376,18 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert _loaded(tinker_server) == []  # destroy unloaded the run's model
     assert ray_left_behind() == {}
 
-    # Resumed, overlapped (trainer.v1.trainer_mode=remote_async: each next step sampled while this one trains),
-    # and then the service goes away mid-run with every process it started, as a crashed or preempted node does
-    # (this ends the module's server: this test comes last).
+    # Resumed, overlapped (trainer.v1.trainer_mode=remote_async: each next step sampled while this one trains;
+    # remote_backend.snapshot_sampling=true takes SkyRL's server for a snapshot service, as hosted Tinker is, to
+    # run the overlapped path), and then the service goes away mid-run with every process it started, as a
+    # crashed or preempted node does (this ends the module's server: this test comes last).
     server = tinker_server
     host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
     processes = session_processes(server.pid)
     try:
         proc = start(
             tmp_path, *_tinker(server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto",
-            "remote_backend.timeout_s=30", "trainer.v1.trainer_mode=remote_async", env=SECRET,
+            "remote_backend.timeout_s=30", "trainer.v1.trainer_mode=remote_async",
+            "remote_backend.snapshot_sampling=true", env=SECRET,
         )  # fmt: skip
         resumed = "".join(read_until(proc, step_row(3)))
     finally:

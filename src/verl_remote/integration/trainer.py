@@ -44,6 +44,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -145,7 +146,7 @@ class RemotePPOTrainer(PPOTrainerSync):
             config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
         #: The weight sync runs beside the next step (RemoteBackend.background_weight_sync); the one in flight.
         self.background_sync = self.overlap and backend_class.background_weight_sync
-        self._sync: Future[None] | None = None
+        self._sync: Future[float] | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self.backend: RemoteBackend = backend_class.from_config(config)
         try:
@@ -358,20 +359,30 @@ class RemotePPOTrainer(PPOTrainerSync):
         replicas get the new version when it is done."""
         version = int(self.global_steps)
 
-        def sync() -> None:
+        def sync() -> float:
+            began = time.monotonic()
             asyncio.run(self.backend.update_weights())
             if not self._destroyed:
                 self._publish_weights_version(version)
+            return time.monotonic() - began
 
         if self._syncer is None:
             self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-remote-sync")
         self._sync = self._syncer.submit(sync)
 
     def _wait_for_sync(self) -> None:
-        """Wait for the weight sync in flight, if any; its error stops the run here."""
+        """Wait for the weight sync in flight, if any; its error stops the run here. The step logs the sync's
+        own time as verl's ``timing_s/update_weights`` (it ran beside this step) and how long the step waited
+        for it as ``timing_s/update_weights_wait``."""
         sync, self._sync = self._sync, None
-        if sync is not None:
-            sync.result()
+        if sync is None:
+            return
+        began = time.monotonic()
+        took = sync.result()
+        timing = getattr(self, "timing_raw", None)  # the step's; none before the first
+        if timing is not None:
+            timing["update_weights"] = timing.get("update_weights", 0.0) + took
+            timing["update_weights_wait"] = timing.get("update_weights_wait", 0.0) + time.monotonic() - began
 
     def destroy_backend(self) -> None:
         """Destroy the backend once; later calls do nothing. Safe from any thread."""

@@ -558,7 +558,9 @@ class JobModel:
         max_tokens = int(params.get("max_tokens") or 16)
         temperature = float(params.get("temperature", 1.0))
         want = params.get("logprobs")
-        # vLLM's SamplingParams: ignore_eos drops the EOS only; stop_token_ids stop the response too.
+        # Arctic hands the dict to vLLM's SamplingParams (arctic-inference 0.3.0 server/worker.py:200): ignore_eos
+        # drops the EOS only; stop_token_ids stop the response too, the stop token kept in its ids (vllm 0.31.0
+        # sampling_params.py:269-272).
         stop = set() if params.get("ignore_eos") else {self.tokenizer.eos_token_id}
         stop.update(int(t) for t in params.get("stop_token_ids") or ())
         self.model.eval()

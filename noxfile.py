@@ -96,6 +96,6 @@ def vllm_benchmark(session: nox.Session) -> None:
 def overlap_benchmark(session: nox.Session) -> None:
     """Overlapped (trainer.v1.trainer_mode=remote_async) and synchronous runs side by side on the local backend,
     the Arctic test server and SkyRL's Tinker server, with and without a per-request latency in front of the
-    services (about 40 minutes on 2 cores; arguments after `--` go to benchmarks/async_overlap.py)."""
+    services (about 50 minutes on 2 cores; arguments after `--` go to benchmarks/async_overlap.py)."""
     session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS)
     session.run("python", "benchmarks/async_overlap.py", *session.posargs)

@@ -1,11 +1,11 @@
 """Overlapped runs (``trainer.v1.trainer_mode=remote_async``) beside synchronous ones, on each backend.
 
 For each backend, the demo is trained with the same settings in both modes, ``--seeds`` runs each (the seed
-goes to verl's data order and the backend's own seed), and the table gives, per mode, the median step time
-(steps 2 on: the first step of an overlapped run has nothing sampled ahead) and the mean reward of the last 3
-steps, with its spread over the seeds. With ``--latency S`` every HTTP request to the service first waits S
-seconds in a proxy, as a hosted service's network and queue add: what overlap exists to hide. The local
-backend is a Ray actor, not reached over HTTP: it is measured without latency only.
+goes to verl's data order and the backend's own seed), and the table gives, per mode, the mean step time
+(steps 2 on: the first step of an overlapped run has nothing sampled ahead; over the seeds) and the mean
+reward of the last 3 steps, with its spread over the seeds. With ``--latency S`` every HTTP request to the
+service first waits S seconds in a proxy, as a hosted service's network and queue add: what overlap exists to
+hide. The local backend is a Ray actor, not reached over HTTP: it is measured without latency only.
 
     python benchmarks/async_overlap.py [--backends local,arctic,tinker] [--steps 10] [--seeds 0,1]
                                        [--latency 0,1.5]
@@ -85,14 +85,18 @@ class _Forward(BaseHTTPRequestHandler):
         except OSError as exc:  # the service dropped the connection (at a run's end, say): as a gateway says it
             self.send_error(502, f"upstream: {exc}")
             return
-        self.send_response(answer.status)
-        for key, value in answer.getheaders():
-            if key.lower() not in HOP_BY_HOP:
-                self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-        conn.close()
+        finally:
+            conn.close()
+        try:
+            self.send_response(answer.status)
+            for key, value in answer.getheaders():
+                if key.lower() not in HOP_BY_HOP:
+                    self.send_header(key, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client left first (a run's end): nobody to answer
+            self.close_connection = True
 
     do_GET = do_POST = do_PUT = do_DELETE = _forward
 
@@ -221,7 +225,7 @@ def main() -> None:
         if set(result) != set(MODES):
             continue
         (st, sr), (at, ar) = result["remote"], result["remote_async"]
-        sync_s, async_s = statistics.median(st), statistics.median(at)
+        sync_s, async_s = statistics.fmean(st), statistics.fmean(at)
         print(f"| {backend} | {latency:g} s | {sync_s:.2f} | {async_s:.2f} | {sync_s / async_s:.2f}x "
               f"| {statistics.fmean(sr):.3f} ({min(sr):.3f}-{max(sr):.3f}) "
               f"| {statistics.fmean(ar):.3f} ({min(ar):.3f}-{max(ar):.3f}) |")  # fmt: skip
@@ -230,7 +234,8 @@ def main() -> None:
 def measure(
     backend: str, url: str | None, latency: float, mode: str, seeds: list[int], steps: int, workdir: Path
 ) -> tuple[list[float], list[float]]:
-    """Runs of one mode, one per seed: each run's median step time (from step 2) and last-3 mean reward."""
+    """Runs of one mode, one per seed: each run's mean step time from step 2 (its steps may alternate between
+    short and long ones, so the mean, not the median, is what the run's length says) and last-3 mean reward."""
     times, rewards = [], []
     for seed in seeds:
         folder = workdir / f"{backend}-{latency:g}s-{mode}-{seed}"
@@ -238,7 +243,7 @@ def measure(
         step_s, reward = train(
             folder, [*overrides, f"trainer.v1.trainer_mode={mode}", f"trainer.total_training_steps={steps}"]
         )
-        times.append(statistics.median(step_s[1:]))
+        times.append(statistics.fmean(step_s[1:]))
         rewards.append(statistics.fmean(reward[-3:]))
         print(f"  {folder.name}: {times[-1]:.2f} s/step, last-3 reward {rewards[-1]:.3f}", flush=True)
     return times, rewards

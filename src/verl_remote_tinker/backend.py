@@ -92,22 +92,15 @@ SKYRL_LIVE_SAMPLER = (
 
 
 def _snapshot_setting(settings: dict[str, Any]) -> bool | str:
+    """remote_backend.snapshot_sampling: whether a sampler keeps the weights it was saved from while the trainer
+    goes on changing them (a Tinker ``SamplingClient`` is such a snapshot): true, false or auto (true but on
+    SkyRL's server, :data:`SKYRL_LIVE_SAMPLER`)."""
     value = settings.get("snapshot_sampling", "auto")
     if isinstance(value, bool):
         return value
     if value == "auto":
         return "auto"
     raise ValueError(f"remote_backend.snapshot_sampling={value}: use auto, true or false")
-
-
-def snapshot_sampling(settings: dict[str, Any], timeout: float = 10.0) -> bool:
-    """Whether a sampler keeps the weights it was saved from while the trainer goes on changing them
-    (remote_backend.snapshot_sampling, auto resolved): a Tinker ``SamplingClient`` is such a snapshot; auto says
-    so of every service but SkyRL's server (:data:`SKYRL_LIVE_SAMPLER`)."""
-    value = _snapshot_setting(settings)
-    if isinstance(value, bool):
-        return value
-    return not serves_skyrl(settings, timeout)
 
 
 class TinkerBackend(RemoteBackend):
@@ -132,11 +125,12 @@ class TinkerBackend(RemoteBackend):
     @classmethod
     def cannot_overlap(cls, main_config: Any) -> str | None:
         settings = as_dict(main_config.remote_backend)
-        if snapshot_sampling(settings, timeout=float(settings.get("connect_timeout_s", 10))):
-            return None
-        if settings.get("snapshot_sampling") is False:
+        value = _snapshot_setting(settings)
+        if value is False:
             return "remote_backend.snapshot_sampling=false: the service samples from the weights it trains"
-        return SKYRL_LIVE_SAMPLER
+        if value == "auto" and serves_skyrl(settings, timeout=float(settings.get("connect_timeout_s", 10))):
+            return SKYRL_LIVE_SAMPLER
+        return None
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> TinkerBackend:

@@ -52,9 +52,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    from verl_remote.demo import recipe_for
     from verl_remote.discovery.compose import compose_config
 
-    config = compose_config(args.overrides, recipe=args.recipe)
+    config = compose_config(args.overrides, recipe=recipe_for(args.overrides, args.recipe))
     if args.as_overrides:
         from verl_remote.demo import resolve_demo_assets
         from verl_remote.discovery.compose import verl_overrides
@@ -87,23 +88,28 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     import time
     from pathlib import Path
 
+    from verl_remote.cli.inputs import check_inputs
     from verl_remote.cli.preflight import check_numbers, run_preflight
     from verl_remote.cli.run import Terminated, check_run_folder_free, hold_run_folder, prepare_config, run
+    from verl_remote.demo import recipe_for
     from verl_remote.discovery.compose import ConfigError, compose_config
     from verl_remote.discovery.registry import load_backend_class
 
-    composed = compose_config(args.overrides, recipe=args.recipe)
+    recipe = recipe_for(args.overrides, args.recipe)  # the demo's settings only for the demo
+    composed = compose_config(args.overrides, recipe=recipe)
     backend_group = composed.get("remote_backend")
     defaults = None
     if backend_group is not None:  # without one, prepare_config says how to choose it
-        defaults = compose_config([f"remote_backend={backend_group.name}"], recipe=args.recipe)
+        defaults = compose_config([f"remote_backend={backend_group.name}"], recipe=recipe)
         check_numbers(composed, defaults)  # before the config is prepared: a refused run makes nothing
+    # Likewise the model, data and reward; verl's defaults are named as such in a run that is not the demo.
+    mixed = check_inputs(composed, defaults if recipe is None else None)
     check_run_folder_free(str(composed.trainer.default_local_dir))  # likewise, a run in the folder
     config = prepare_config(composed)
     name = str(config.remote_backend.name)
     assert defaults is not None
     backend = load_backend_class(name)
-    for note in run_preflight(
+    for note in mixed + run_preflight(
         config, defaults, backend.preflight, single_forwarder=backend.requires_single_forwarder()
     ):
         print(f"verl-remote: {note}", flush=True)
@@ -220,7 +226,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """What composes a run config, the same for every command that composes one."""
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override, key=value")
-    parser.add_argument("--recipe", metavar="FILE", help="a recipe YAML (see configs/) to compose instead")
+    parser.add_argument(
+        "--recipe",
+        metavar="FILE",
+        help="a recipe YAML (see configs/) to compose instead, or 'demo' for the built-in demo's settings (what a "
+        "command that names no model and no data composes)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,10 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser(
         "train",
-        help="train with verl on a backend (no arguments: the CPU demo)",
+        help="train with verl on a backend (no model and no data given: the CPU demo)",
         description="Run verl's PPO/GRPO trainer with the selected backend (remote_backend=<name>, default local). "
-        "Takes every verl override. With no overrides it runs the demo: a tiny model, tokenizer and data set made "
-        "locally on first use, GRPO, about 3 minutes on a laptop CPU. Ctrl-C stops the run and destroys the backend. "
+        "Takes every verl override. Given no model and no data (actor_rollout_ref.model.path, data.train_files, "
+        "data.val_files) it runs the demo: a tiny model, tokenizer and data set made locally on first use, GRPO, "
+        "about 3 minutes on a laptop CPU. A run of your own model or data gets verl's own defaults for what it does "
+        "not set, never the demo's (docs/user-guide.md). Ctrl-C stops the run and destroys the backend. "
         "The console shows verl-remote's lines, a row per step (reward, length, loss, time left) and errors; every "
         "metric and the full output of every process go to <trainer.default_local_dir>/logs/.",
     )

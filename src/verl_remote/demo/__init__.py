@@ -1,20 +1,61 @@
 """The built-in demo: a tiny model (and its variant for LoRA services), tokenizer and "say N" data set made
-locally (:mod:`.assets`), its reward (:mod:`.reward`), and the ``verl-remote://demo/...`` config values that
-name them."""
+locally (:mod:`.assets`), its reward (:mod:`.reward`), the ``verl-remote://demo/...`` config values that
+name them, and when a command is the demo (:func:`recipe_for`).
+
+The demo's settings (its lengths, batch, learning rate, steps) are a recipe of their own,
+``verl_remote/config/verl_remote_demo.yaml``: a run of the user's own model or data composes verl's defaults
+instead, and never gets them by accident."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, open_dict
 
 from verl_remote.discovery.compose import ConfigError
 
-__all__ = ["DEMO_PREFIX", "resolve_demo_assets"]
+__all__ = ["DEMO_PREFIX", "DEMO_RECIPE", "OWN_INPUT_KEYS", "is_demo_value", "recipe_for", "resolve_demo_assets"]
 
 #: Config values starting with this name an asset of the built-in demo, made on first use.
 DEMO_PREFIX = "verl-remote://demo/"
+#: The built-in recipe of the demo's settings (``--recipe demo``).
+DEMO_RECIPE = "demo"
+#: The keys that make a run the user's own: a command that names a model or data of its own composes verl's
+#: defaults, not the demo's.
+OWN_INPUT_KEYS = ("actor_rollout_ref.model.path", "data.train_files", "data.val_files")
+
+
+def is_demo_value(value: Any) -> bool:
+    """Whether a config value names the demo's assets only: ``verl-remote://demo/...``, or the files they resolve
+    to (the demo's cache folder, its reward file); a list when each of its items does."""
+    if isinstance(value, list | tuple):
+        return bool(value) and all(is_demo_value(item) for item in value)
+    text = str(value).strip()
+    if text.startswith("[") and text.endswith("]"):  # a list as an override writes it
+        return is_demo_value([item.strip().strip("'\"") for item in text[1:-1].split(",") if item.strip()])
+    if text.startswith(DEMO_PREFIX):
+        return True
+    if "://" in text or not text:
+        return False
+    from verl_remote.demo.assets import default_cache_dir
+
+    cache = default_cache_dir().expanduser().resolve()
+    path = Path(text.removeprefix("file://")).expanduser().resolve()
+    return path == cache or cache in path.parents or path == (Path(__file__).parent / "reward.py").resolve()
+
+
+def recipe_for(overrides: Sequence[str], recipe: str | None) -> str | None:
+    """The recipe a command composes: the one it names; else the demo (:data:`DEMO_RECIPE`) when its overrides name
+    no model and no data of their own (:data:`OWN_INPUT_KEYS`); else none, which is verl's defaults."""
+    if recipe is not None:
+        return recipe
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+") in OWN_INPUT_KEYS and not is_demo_value(value):
+            return None
+    return DEMO_RECIPE
 
 
 def _demo_values(config: DictConfig) -> Iterator[tuple[Any, Any, str]]:

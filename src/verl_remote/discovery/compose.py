@@ -19,10 +19,22 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_remote.discovery.registry import get_backend_spec
 
-__all__ = ["CONFIG_MODULE", "CONFIG_NAME", "ConfigError", "compose_config", "selected_backend", "verl_overrides"]
+__all__ = [
+    "BUILTIN_RECIPES",
+    "CONFIG_MODULE",
+    "CONFIG_NAME",
+    "ConfigError",
+    "compose_config",
+    "selected_backend",
+    "verl_overrides",
+]
 
 CONFIG_MODULE = "verl_remote.config"
+#: The primary config: verl's ppo_trainer, the remote_backend group and what a backend needs; verl's defaults
+#: for everything else.
 CONFIG_NAME = "verl_remote"
+#: Recipes inside verl-remote's wheel, by the name ``--recipe`` takes: config names in :data:`CONFIG_MODULE`.
+BUILTIN_RECIPES = {"demo": "verl_remote_demo"}
 
 
 @functools.cache
@@ -97,12 +109,14 @@ def _check_yaml(path: Path) -> None:
 
 
 def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = None) -> DictConfig:
-    """Compose the run config from overrides and an optional recipe file.
+    """Compose the run config from overrides and an optional recipe: a file, or the name of a built-in one
+    (:data:`BUILTIN_RECIPES`; ``"demo"`` is the built-in demo). Without a recipe, :data:`CONFIG_NAME`.
 
     Raises:
         BackendError: ``remote_backend=<name>`` names a backend that is missing,
             ambiguous or broken (the message lists what is installed).
-        ConfigError: Hydra rejected an override or the recipe.
+        ConfigError: Hydra rejected an override or the recipe; a key the config does not have is named with the
+            nearest one it has.
     """
     from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.errors import HydraException
@@ -113,25 +127,30 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
     if backend is not None:
         get_backend_spec(backend)  # a clear BackendError before Hydra's generic one
 
-    if recipe is None:
+    if recipe is None or (isinstance(recipe, str) and recipe in BUILTIN_RECIPES):
         context: Any = initialize_config_module(config_module=CONFIG_MODULE, version_base=None)
-        config_name = CONFIG_NAME
+        config_name = CONFIG_NAME if recipe is None else BUILTIN_RECIPES[str(recipe)]
     else:
         path = Path(recipe).expanduser().resolve()
         if not path.is_file():
-            raise ConfigError(f"recipe {str(recipe)!r} does not exist")
+            builtin = ", ".join(BUILTIN_RECIPES)
+            raise ConfigError(f"recipe {str(recipe)!r} does not exist (a file, or a built-in recipe: {builtin})")
         if path.suffix not in (".yaml", ".yml"):
             raise ConfigError(f"recipe {str(recipe)!r} is not a .yaml file")
         _check_yaml(path)
         context = initialize_config_dir(config_dir=str(path.parent), version_base=None)
         config_name = path.stem
-    overrides = [f"hydra.searchpath=[{','.join(_search_path())}]", *overrides]
+    words = [f"hydra.searchpath=[{','.join(_search_path())}]", *overrides]
 
     try:
         with context:
-            config = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+            config = compose(config_name=config_name, overrides=words, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(str(exc).strip()) from exc
+        unknown = _UNKNOWN_KEY.match(str(exc).strip())
+        if unknown is None:
+            raise ConfigError(str(exc).strip()) from exc
+        others = [o for o in overrides if o.partition("=")[0] != unknown.group(1)]
+        raise _unknown_key(unknown.group(1), others, recipe) from exc
 
     choice = OmegaConf.select(config, "hydra.runtime.choices.remote_backend")
     with open_dict(config):
@@ -143,6 +162,59 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
         if name != choice:
             raise ConfigError(f"remote_backend/{choice}.yaml must set 'name: {choice}' (it sets {name!r})")
     return config
+
+
+# Hydra's words for an override of a key the config does not have, which it follows with a hint to add the key
+# with '+': a key that nothing reads, where the user almost always misspelt or misplaced one.
+_UNKNOWN_KEY = re.compile(r"^Could not override '([^']+)'\.\nTo append to your config use \+")
+
+
+def _unknown_key(key: str, others: list[str], recipe: str | Path | None) -> ConfigError:
+    """The error for ``key``, which the config does not have: the key it has that was most likely meant."""
+    try:
+        config = compose_config(others, recipe=recipe)
+    except ConfigError:  # another bad override: named once this one is fixed
+        config = None
+    guess = _closest_key(key, _keys(OmegaConf.to_container(config, resolve=False))) if config is not None else None
+    if guess is not None:
+        return ConfigError(f"unknown key {key}; did you mean {guess}?")
+    return ConfigError(
+        f"unknown key {key}: neither verl's config nor the backend's has it ('verl-remote config' prints every key); "
+        f"+{key}=<value> adds it, for code of your own that reads it"
+    )
+
+
+def _keys(node: Any, prefix: str = "") -> list[str]:
+    """Every key of a config, sections included, as dotted paths."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        for name, child in node.items():
+            found.append(f"{prefix}{name}")
+            found += _keys(child, f"{prefix}{name}.")
+    return found
+
+
+def _closest_key(key: str, keys: list[str]) -> str | None:
+    """The key of ``keys`` meant by ``key``: the same name in the same section (``remote_backend.comms.url`` for
+    ``remote_backend.url``), else the only key of that name anywhere, else a close spelling of the name beside it
+    (``optim.lr`` for ``optim.lrr``), else the same or a close name in a close spelling of its section."""
+    import difflib
+
+    parent, _, name = key.rpartition(".")
+    section = key.split(".", 1)[0]
+    same_name = [k for k in keys if k.rpartition(".")[2] == name and k != key]
+    for group in ([k for k in same_name if k.split(".", 1)[0] == section], same_name if len(same_name) == 1 else []):
+        if group:
+            return min(group, key=lambda k: (k.count("."), len(k)))
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.75)
+    if close:
+        return siblings[close[0]]
+    elsewhere = [k for k in keys if k.rpartition(".")[0] != parent]
+    for guess in difflib.get_close_matches(key, elsewhere, n=3, cutoff=0.85):  # a misspelt section: trainr.x
+        if difflib.SequenceMatcher(None, name, guess.rpartition(".")[2]).ratio() >= 0.75:
+            return guess
+    return None
 
 
 _PLAIN = re.compile(r"^[\w./:@~+-]+$")

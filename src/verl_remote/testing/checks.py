@@ -131,7 +131,7 @@ class Conformance:
         spec = get_backend_spec(self.name)
         for load in (load_backend_class, load_worker_class, load_rollout_class):
             load(self.name)
-        from verl_remote.demo import resolve_demo_assets
+        from verl_remote.demo import DEMO_RECIPE, resolve_demo_assets
         from verl_remote.discovery.compose import compose_config
         from verl_remote.kit.config import OVERLAPPED_MODE, overlapped
 
@@ -146,13 +146,13 @@ class Conformance:
         # overrides choose a mode: the overlap check then asks that its sampler keeps the synced weights.
         chosen = any(o.lstrip("+").startswith("trainer.v1.trainer_mode=") for o in self.overrides)
         mode = [] if chosen else [f"trainer.v1.trainer_mode={OVERLAPPED_MODE}"]
-        config = compose_config([*base, *mode, *self.overrides])
+        config = compose_config([*base, *mode, *self.overrides], recipe=DEMO_RECIPE)
         if not overlapped(config):
             self.state.declines = f"the check runs trainer.v1.trainer_mode={config.trainer.v1.trainer_mode}"
         else:
             self.state.declines = load_backend_class(self.name).cannot_overlap(config)
             if self.state.declines is not None and not chosen:  # checked as its runs will run: synchronous
-                config = compose_config([*base, *self.overrides])
+                config = compose_config([*base, *self.overrides], recipe=DEMO_RECIPE)
         _expect(
             config.remote_backend.get("name") == self.name,
             f"the group file's name is {config.remote_backend.get('name')!r}",

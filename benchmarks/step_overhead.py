@@ -139,7 +139,7 @@ def main() -> int:
     from verl_remote.discovery.compose import compose_config
 
     model_path = args.model or str(ensure_demo_assets().model_path)
-    config = compose_config([f"actor_rollout_ref.model.path={model_path}"])
+    config = compose_config([f"actor_rollout_ref.model.path={model_path}"], recipe="demo")
     OmegaConf.resolve(config)
     actor = OmegaConf.to_container(config.actor_rollout_ref.actor)
     engine = LocalEngine(model_path, actor, {"device": "cpu", "seed": 0})  # type: ignore[arg-type]

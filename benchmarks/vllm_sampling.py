@@ -77,7 +77,7 @@ def measure(
     from verl_remote.backends.local.engine import LocalEngine, SampleRequest
     from verl_remote.discovery.compose import compose_config
 
-    config = compose_config([f"actor_rollout_ref.model.path={model_path}"])
+    config = compose_config([f"actor_rollout_ref.model.path={model_path}"], recipe="demo")
     OmegaConf.resolve(config)
     actor = OmegaConf.to_container(config.actor_rollout_ref.actor)
     settings = {

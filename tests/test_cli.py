@@ -98,7 +98,11 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
     ("overrides", "message"),
     [
         (["remote_backend=arcitc"], "verl-remote train: error: backend 'arcitc' is not installed; installed: "),
-        (["trainer.no_such_key=1"], "verl-remote train: invalid config: Could not override 'trainer.no_such_key'"),
+        (["trainer.no_such_key=1"], "verl-remote train: invalid config: unknown key trainer.no_such_key: neither "),
+        (
+            ["remote_backend=arctic", "remote_backend.url=http://127.0.0.1:1"],
+            "verl-remote train: invalid config: unknown key remote_backend.url; did you mean remote_backend.comms.url?",
+        ),
         (
             ["data.train_batch_size=3"],
             "verl-remote train: invalid config: verl rejected the config: train_batch_size (3) must be >= "

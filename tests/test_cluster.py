@@ -220,7 +220,9 @@ def test_a_node_that_cannot_see_the_runs_files_is_named_before_anything_starts(
     model = tmp_path / "model"
     shutil.copytree(demo_root / "model", model)
     moved.append(f"actor_rollout_ref.model.path={model}")
-    out = run(script(), *args, *moved, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
+    # Copies of the demo's files are files of the user's: the demo's settings are asked for by name.
+    demo_recipe = ["train", "--recipe", "demo", *args[1:]]
+    out = run(script(), *demo_recipe, *moved, f"trainer.default_local_dir={shared / 'ckpt'}", env=env, cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"trainer.default_local_dir={shared / 'ckpt'} cannot be seen from node" in out.stderr
     assert "lock file .verl-remote.lock is not there" in out.stderr

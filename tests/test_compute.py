@@ -63,7 +63,7 @@ def _row_log_probs(prompts: list[int], response_log_probs: list[list[float]]) ->
 
 
 def _actor(*overrides: str) -> Any:
-    return compose_config(list(overrides)).actor_rollout_ref.actor
+    return compose_config(list(overrides), recipe="demo").actor_rollout_ref.actor
 
 
 def test_actor_loss_is_verls_vanilla_ppo_loss_by_hand() -> None:

@@ -7,20 +7,62 @@ from typing import Any
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from conftest import ROOT
 from verl_remote import BackendNotFoundError, DuplicateBackendError
 from verl_remote.discovery.compose import ConfigError, compose_config
 
 
-def test_defaults_are_verls_ppo_trainer_with_the_local_backend_and_the_demo() -> None:
+def test_defaults_are_verls_ppo_trainer_with_the_local_backend_and_the_demo_is_a_recipe() -> None:
     config = compose_config()
     assert config.remote_backend.name == "local"
     assert config.trainer.v1.trainer_mode == "remote"
     assert config.actor_rollout_ref.rollout.name == "verl_remote"
-    assert config.actor_rollout_ref.model.path == "verl-remote://demo/model"
     assert config.trainer.use_v1 is True
     assert config.actor_rollout_ref.rollout.mode == "async"
+    # verl's own defaults for the model, the data, the reward and the lengths; the rollout's follow the data's.
+    assert config.actor_rollout_ref.model.path == "~/models/deepseek-llm-7b-chat"
+    assert config.data.train_files == "~/data/rlhf/gsm8k/train.parquet"
+    assert config.reward.custom_reward_function.path is None
+    assert config.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert (config.data.train_batch_size, config.trainer.total_training_steps) == (1024, None)
+    OmegaConf.resolve(config)
+    assert (config.actor_rollout_ref.rollout.prompt_length, config.actor_rollout_ref.rollout.response_length) == (
+        512,
+        512,
+    )
+
+    demo = compose_config(recipe="demo")
+    assert demo.actor_rollout_ref.model.path == "verl-remote://demo/model"
+    assert demo.reward.custom_reward_function.path == "verl-remote://demo/reward.py"
+    assert (demo.data.max_prompt_length, demo.data.max_response_length, demo.trainer.total_training_steps) == (
+        16,
+        8,
+        40,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "recipe"),
+    [
+        ([], "demo"),
+        (["trainer.total_training_steps=5", "remote_backend=arctic"], "demo"),
+        (["actor_rollout_ref.model.path=verl-remote://demo/lora-model"], "demo"),
+        (["data.train_files=[verl-remote://demo/train.parquet]"], "demo"),
+        (["actor_rollout_ref.model.path=/models/mine"], None),
+        (["data.train_files=/data/train.parquet"], None),
+        (["data.val_files=/data/val.parquet"], None),
+        (["+data.train_files=/data/train.parquet"], None),
+    ],
+)
+def test_a_command_is_the_demo_when_it_names_no_model_and_no_data_of_its_own(
+    overrides: list[str], recipe: str | None
+) -> None:
+    from verl_remote.demo import recipe_for
+
+    assert recipe_for(overrides, None) == recipe
+    assert recipe_for(overrides, "configs/mine.yaml") == "configs/mine.yaml"  # a recipe decides for itself
 
 
 def test_remote_backend_selects_the_group_without_plus_and_takes_verl_overrides() -> None:
@@ -34,13 +76,21 @@ def test_remote_backend_selects_the_group_without_plus_and_takes_verl_overrides(
     [
         (["remote_backend=ecoh"], BackendNotFoundError, "backend 'ecoh' is not installed; installed: "),
         (["remote_backend=twin"], DuplicateBackendError, "registered by 2 distributions"),
-        (["trainer.no_such_key=1"], ConfigError, "Could not override 'trainer.no_such_key'"),
+        (["trainer.no_such_key=1"], ConfigError, "unknown key trainer.no_such_key: neither verl's config nor"),
         (["algorithm.adv_estimator"], ConfigError, "Error parsing override 'algorithm.adv_estimator'"),
         (
             ["remote_backend=echo", "remote_backend.no_such_key=1"],
             ConfigError,
-            "Could not override 'remote_backend.no_such_key'",
+            "unknown key remote_backend.no_such_key: neither",
         ),
+        (
+            ["remote_backend=arctic", "remote_backend.url=http://10.0.0.5:7000"],
+            ConfigError,
+            r"^unknown key remote_backend.url; did you mean remote_backend.comms.url\?$",
+        ),
+        (["trainer.total_training_step=3"], ConfigError, "did you mean trainer.total_training_steps\\?$"),
+        (["trainr.total_epochs=3"], ConfigError, "did you mean trainer.total_epochs\\?$"),
+        (["actor_rollout_ref.actor.optim.lrr=3"], ConfigError, "did you mean actor_rollout_ref.actor.optim.lr\\?$"),
     ],
 )
 def test_bad_overrides_raise_errors_the_user_can_act_on(
@@ -66,7 +116,7 @@ def test_cli_config_prints_yaml_and_rejects_bad_input_with_exit_2(cli_main: Any)
 
     code, _stdout, stderr = cli_main("config", "trainer.no_such_key=1")
     assert code == 2
-    assert "verl-remote config: invalid config: Could not override 'trainer.no_such_key'" in stderr
+    assert "verl-remote config: invalid config: unknown key trainer.no_such_key: " in stderr
     assert "Traceback" not in stderr
 
 

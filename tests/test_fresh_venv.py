@@ -302,7 +302,9 @@ def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, 
     config.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     (small_heads / "config.json").write_text(json.dumps(config))
     refused = paste(
-        f".venv/bin/verl-remote train actor_rollout_ref.model.path={small_heads}", checkout.folder, timeout=300
+        f".venv/bin/verl-remote train --recipe demo actor_rollout_ref.model.path={small_heads}",
+        checkout.folder,
+        timeout=300,
     )
     assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
     assert "heads of size 16" in refused.stderr and refused.stderr.strip().endswith("remote_backend.sampler=hf")

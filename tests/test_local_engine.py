@@ -18,7 +18,7 @@ from verl_remote.discovery.compose import compose_config
 
 @pytest.fixture(scope="module")
 def engine() -> LocalEngine:
-    actor = OmegaConf.to_container(compose_config([]).actor_rollout_ref.actor, resolve=True)
+    actor = OmegaConf.to_container(compose_config([], recipe="demo").actor_rollout_ref.actor, resolve=True)
     assert isinstance(actor, dict)
     return LocalEngine(str(ensure_demo_assets().model_path), actor, {"device": "cpu", "seed": 0})
 

@@ -106,7 +106,7 @@ def test_every_ranged_key_is_one_verl_has_and_the_defaults_and_the_edges_pass() 
 
 def test_a_resume_target_that_is_not_there_is_named(tmp_path: Path) -> None:
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
-    config = compose_config([f"trainer.default_local_dir={tmp_path}"])
+    config = compose_config([f"trainer.default_local_dir={tmp_path}"], recipe="demo")
     with pytest.raises(PreflightError, match=r"names step 7, but .*global_step_7 does not exist"):
         check_resume(config)
     (tmp_path / "global_step_7").mkdir()
@@ -117,10 +117,10 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
     def refuse(config: object) -> None:
         raise ValueError("remote_backend.url=x: nothing answers there")
 
-    config = compose_config([f"trainer.default_local_dir={tmp_path}"])
+    config = compose_config([f"trainer.default_local_dir={tmp_path}"], recipe="demo")
     resolve_demo_assets(config)
     with pytest.raises(PreflightError, match="nothing answers there"):
-        run_preflight(config, compose_config(), refuse)
+        run_preflight(config, compose_config(recipe="demo"), refuse)
 
 
 @pytest.mark.parametrize(

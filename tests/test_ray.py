@@ -138,7 +138,9 @@ def test_under_verls_launcher_the_trainer_refuses_two_forwarders_for_a_single_fo
     from verl_remote.integration.trainer import RemotePPOTrainer, SingleForwarderError
 
     calls = tmp_path / "calls.txt"
-    config = compose_config(["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.n_gpus_per_node=2"])
+    config = compose_config(
+        ["remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.n_gpus_per_node=2"], recipe="demo"
+    )
     resolve_demo_assets(config)
     with pytest.raises(
         SingleForwarderError,
@@ -160,7 +162,7 @@ def test_once_the_driver_destroys_the_backend_the_loop_makes_no_further_call_to_
     from verl_remote.integration.trainer import RemotePPOTrainer, RunStopped
 
     calls = tmp_path / "calls.txt"
-    config = compose_config(["remote_backend=faulty", f"remote_backend.calls_log={calls}"])
+    config = compose_config(["remote_backend=faulty", f"remote_backend.calls_log={calls}"], recipe="demo")
     resolve_demo_assets(config)
     trainer = RemotePPOTrainer(config)
     trainer.destroy_backend()

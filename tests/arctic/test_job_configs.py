@@ -19,7 +19,9 @@ GENERATIONS = ["v0.1", "main"]
 
 
 def _jobs(generation: str, *overrides: str) -> dict[str, dict[str, Any]]:
-    config = compose_config(["remote_backend=arctic", "actor_rollout_ref.actor.use_kl_loss=true", *overrides])
+    config = compose_config(
+        ["remote_backend=arctic", "actor_rollout_ref.actor.use_kl_loss=true", *overrides], recipe="demo"
+    )
     return job_configs(config, generation)
 
 
@@ -99,9 +101,9 @@ def test_a_mini_batch_that_does_not_divide_into_micro_batches_is_refused_with_th
     ],
 )
 def test_loss_settings_arctic_would_silently_replace_are_refused(key: str, value: str) -> None:
-    actor = compose_config(["remote_backend=arctic", f"{key}={value}"]).actor_rollout_ref.actor
+    actor = compose_config(["remote_backend=arctic", f"{key}={value}"], recipe="demo").actor_rollout_ref.actor
     from verl_remote import as_dict
 
     with pytest.raises(ValueError, match=rf"{key}={value}: Arctic's verl_grpo loss"):
         check_objective(as_dict(actor))
-    check_objective(as_dict(compose_config(["remote_backend=arctic"]).actor_rollout_ref.actor))
+    check_objective(as_dict(compose_config(["remote_backend=arctic"], recipe="demo").actor_rollout_ref.actor))

@@ -347,7 +347,7 @@ def test_a_resume_destroys_only_the_jobs_the_server_shows_are_its_dead_runs(
         config = compose_config([
             "remote_backend=arctic", f"remote_backend.comms.url={url}", f"remote_backend.comms.api={generation}",
             f"trainer.default_local_dir={folder}",
-        ])  # fmt: skip
+        ], recipe="demo")  # fmt: skip
         resolve_demo_assets(config)
         return ArcticBackend.from_config(config)
 

@@ -124,7 +124,7 @@ def _backend(folder: Path, *overrides: str) -> Any:
     from verl_remote.demo import resolve_demo_assets
     from verl_remote.discovery.compose import compose_config
 
-    config = compose_config([*overrides, f"trainer.default_local_dir={folder}"])
+    config = compose_config([*overrides, f"trainer.default_local_dir={folder}"], recipe="demo")
     resolve_demo_assets(config)
     return ArcticBackend.from_config(config)
 

@@ -45,7 +45,9 @@ def _mini_batch() -> tuple[list[list[int]], dict[str, Any], list[np.ndarray]]:
 
 def _actor(*overrides: str) -> Any:
     """verl's composed actor config (the run's), with overrides."""
-    return compose_config(["actor_rollout_ref.actor.ppo_mini_batch_size=2", *overrides]).actor_rollout_ref.actor
+    return compose_config(
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=2", *overrides], recipe="demo"
+    ).actor_rollout_ref.actor
 
 
 def _grad(rows: list[list[int]], batch: dict[str, Any], current: list[np.ndarray], actor: Any) -> np.ndarray:

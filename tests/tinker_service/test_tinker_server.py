@@ -91,7 +91,7 @@ def test_full_fine_tuning_is_refused_in_one_line_where_the_service_does_not_offe
     against this server with the newest SDK of the range, in tests/test_fresh_venv.py; with this environment's,
     the oldest, the two-step run and its resume below make a run's calls: sample, forward, forward-backward,
     optimizer step, sampler sync, and the save and load of the service's state.)"""
-    config = compose_config([*_tinker(tinker_server.url), "remote_backend.lora_rank=0"])
+    config = compose_config([*_tinker(tinker_server.url), "remote_backend.lora_rank=0"], recipe="demo")
     resolve_demo_assets(config)
     with pytest.raises(RuntimeError) as refused:
         TinkerBackend.from_config(config)
@@ -118,7 +118,8 @@ def test_the_gradient_the_service_applies_is_verls(tinker_server: LocalServer) -
     }  # fmt: skip
     optim = {"lr": 1e-2, "betas": [0.9, 0.999], "weight_decay": 0.0, "clip_grad": 0.0, "total_training_steps": 2}
     actor = compose_config(
-        ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+        ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+        recipe="demo",
     ).actor_rollout_ref.actor
 
     def jagged(values: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:

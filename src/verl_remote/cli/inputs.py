@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_remote.cli.preflight import PreflightError, check_data
+from verl_remote.cli.preflight import PreflightError, check_data, check_model
 from verl_remote.demo import DEMO_PREFIX, is_demo_value
 from verl_remote.demo.assets import DATA_SOURCE as DEMO_SOURCE
 
@@ -182,6 +182,8 @@ def check_inputs(config: DictConfig, defaults: DictConfig | None = None) -> list
     is not the demo (so that a key left at verl's default is named as such). Raises :class:`PreflightError`."""
     unset = {key for key in (MODEL_KEY, TRAIN_KEY, VAL_KEY) if _not_set(config, defaults, key)}
     check_data(config, skip=unset)  # what the user set, first
+    if MODEL_KEY not in unset:
+        check_model(config)  # its notes are run_preflight's to print
     _check_unset_inputs(config, unset)
     reward_path, reward_name = _reward(config)
     reward_section = config.get("reward") or {}
@@ -213,6 +215,7 @@ def check_inputs(config: DictConfig, defaults: DictConfig | None = None) -> list
                 local = os.path.expanduser(path.removeprefix("file://"))
                 found.sources |= set(_check_columns(key, local, prompt_key, registered))
     train, val = files[TRAIN_KEY], files[VAL_KEY]
+    _check_enough_rows(config, train)
 
     model = OmegaConf.select(config, MODEL_KEY, default=None)
     model_demo = model is not None and is_demo_value(model)
@@ -249,6 +252,27 @@ def check_inputs(config: DictConfig, defaults: DictConfig | None = None) -> list
         return []
     mine = [name for name, is_demo in parts.items() if not is_demo]
     return [f"the demo's {_join(demo)} with your {_join(mine)}"]
+
+
+def _check_enough_rows(config: DictConfig, train: DataFiles) -> None:
+    """A step takes data.train_batch_size prompts and verl's loader drops an incomplete last batch: a training set
+    smaller than one batch runs no step (verl fails dividing by its zero steps per epoch)."""
+    import pyarrow.parquet as pq
+
+    paths = [p for p in _paths(OmegaConf.select(config, TRAIN_KEY, default=None)) if not p.startswith(DEMO_PREFIX)]
+    if not paths or not all(_local(p) for p in paths):
+        return
+    rows = sum(pq.read_metadata(os.path.expanduser(p.removeprefix("file://"))).num_rows for p in paths)
+    limit = OmegaConf.select(config, "data.train_max_samples", default=-1)
+    if isinstance(limit, int) and limit > 0:
+        rows = min(rows, limit)
+    batch = OmegaConf.select(config, "data.train_batch_size", default=None)
+    if isinstance(batch, int) and rows < batch:
+        raise PreflightError(
+            f"data.train_batch_size={batch}: {train.key}={train.value} has {rows} rows, fewer than one step's "
+            f"prompts, so no step would run (verl drops an incomplete batch); set data.train_batch_size to {rows} "
+            "or less"
+        )
 
 
 def _join(words: list[str]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -118,6 +119,20 @@ _TERMINATED = False
 LOG_DRAIN_S = 1.5
 
 
+#: Keys whose value may be a local path the run's processes read: made absolute against the user's directory.
+INPUT_PATHS = (
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.tokenizer_path",
+    "data.train_files",
+    "data.val_files",
+    "reward.custom_reward_function.path",
+)
+
+
+def _here(value: str) -> bool:
+    return "://" not in value and not os.path.isabs(value) and os.path.exists(os.path.expanduser(value))
+
+
 def prepare_config(config: DictConfig) -> DictConfig:
     """Demo assets, verl's own validation, and the settings verl-remote cannot run without."""
     from verl_remote.discovery.compat import require_supported_verl
@@ -143,10 +158,23 @@ def prepare_config(config: DictConfig) -> DictConfig:
     with open_dict(config):
         # verl resolves these in its TaskRunner process; users mean their own working directory.
         config.trainer.default_local_dir = os.path.abspath(str(config.trainer.default_local_dir))
+        for key in INPUT_PATHS:  # a relative path that is there (a hub name such as Qwen/Qwen3-8B is not)
+            value = OmegaConf.select(config, key, default=None)
+            if isinstance(value, str) and _here(value):
+                OmegaConf.update(config, key, os.path.abspath(os.path.expanduser(value)))
+            elif OmegaConf.is_list(value):
+                OmegaConf.update(config, key, [os.path.abspath(str(v)) if _here(str(v)) else v for v in value])
+    from hydra.errors import InstantiationException
+
     try:
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     except (AssertionError, ValueError) as exc:  # verl's own checks, e.g. batch sizes that do not divide
         raise ConfigError(f"verl rejected the config: {exc}") from exc
+    except InstantiationException as exc:  # a check in one of verl's config dataclasses, named by its section
+        section = re.search(r"full_key: (\S+)", str(exc))
+        where = f" (in {section.group(1)})" if section else ""
+        said = " ".join(str(exc.__cause__ or exc).split("full_key:")[0].split())
+        raise ConfigError(f"verl rejected the config: {said}{where}") from exc
     resolve_demo_assets(config)  # after verl's checks: a refused config makes nothing
     return config
 

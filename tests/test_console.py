@@ -128,6 +128,30 @@ def test_a_line_said_by_every_process_is_shown_once(monkeypatch: pytest.MonkeyPa
     assert out.getvalue() == "verl-remote: backend 'twin' is registered more than once\n"
 
 
+def test_verl_cutting_prompts_is_said_once_with_the_keys_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's agent loop left-truncates a prompt longer than the rollout's prompt length with a warning; the run's
+    data is then not what the user meant, so the console says so once (the words are verl 0.9.1's own, from
+    verl/experimental/agent_loop/agent_loop.py, checked below)."""
+    import verl.experimental.agent_loop.agent_loop as agent_loop
+
+    assert (
+        "Prompt of %d tokens exceeds rollout.prompt_length=%d; left-truncating."
+        in Path(agent_loop.__file__).read_text()
+    )
+    console, out, _err = _console(monkeypatch)
+    for tokens in (133, 140):
+        print(
+            f"{RAY}WARNING:2026-12-05 04:17:40,1:Prompt of {tokens} tokens exceeds rollout.prompt_length=64; "
+            "left-truncating."
+        )
+    console.uninstall()
+    assert out.getvalue().splitlines() == [
+        "verl-remote: verl cuts prompts longer than rollout.prompt_length=64 (data.max_prompt_length) to their last 64 "
+        "tokens, one of 133 among them: raise data.max_prompt_length, or drop such prompts with "
+        "data.filter_overlong_prompts=true (the log names each)"
+    ]
+
+
 def test_verbose_shows_everything(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     console, _out, err = _console(monkeypatch, verbose=True)
     console.open_log(tmp_path / "run.log")

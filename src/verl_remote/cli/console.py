@@ -70,6 +70,9 @@ _ERROR = re.compile(
     r"|^(?:[\w.]+\.)?\w*(?:Error|Exception|Failure|Exit)(?:\([\w.]*\))?(?::|$)"  # an exception's last line
     r"|(?i:\bkilled\b|\bout of memory\b)|\bOOM\b"
 )
+# verl's agent loop cutting a prompt longer than the rollout's prompt length (a warning, kept from the console like
+# every other): said once on the console, as the run's data is not what the user meant.
+_PROMPT_CUT = re.compile(r"Prompt of (\d+) tokens exceeds rollout\.prompt_length=(\d+); left-truncating")
 # What varies between repeats of one error: numbers, hex ids, uuids.
 _VARYING = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|0x[0-9a-f]+|[0-9a-f]*\d[0-9a-f]*")
 
@@ -220,6 +223,7 @@ class Console:
         self._pending: list[str] = []
         self._seen_errors: set[str] = set()
         self._seen_ours: set[str] = set()
+        self._prompt_cut = False
         self.repeated_errors = 0
         self._progress = ""  # the line drawn in place on a terminal, if any
         self._streams: tuple[_Stream, _Stream] | None = None
@@ -308,6 +312,15 @@ class Console:
             return
         elif _STEP.search(text):
             self._show_step(text, stream)
+        elif (cut := _PROMPT_CUT.search(text)) and not self._prompt_cut:
+            self._prompt_cut = True
+            tokens, limit = cut.groups()
+            self._to_console(
+                f"verl-remote: verl cuts prompts longer than rollout.prompt_length={limit} (data.max_prompt_length) to "
+                f"their last {limit} tokens, one of {tokens} among them: raise data.max_prompt_length, or drop such "
+                "prompts with data.filter_overlong_prompts=true (the log names each)",
+                stream,
+            )
         elif is_error(text):
             key = _VARYING.sub("#", text.lower())
             if key in self._seen_errors:

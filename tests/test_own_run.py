@@ -240,6 +240,11 @@ def _refusals(task: OwnTask, tmp_path: Path) -> Iterator[tuple[list[str], str]]:
         "data.val_files is not set, and verl's default ~/data/rlhf/gsm8k/test.parquet is not there: set data.val_files",
     )
     yield (
+        [model, train_files, val_files, *reward],
+        f"data.train_batch_size=1024: data.train_files={task.train} has 32 rows, fewer than one step's prompts, so no "
+        "step would run (verl drops an incomplete batch); set data.train_batch_size to 32 or less",
+    )
+    yield (
         [model, train_files, val_files, reward[0], "reward.custom_reward_function.name=compute_score"],
         f"reward.custom_reward_function.name=compute_score: {task.reward} has no 'compute_score' (it defines "
         "score_own_task); set reward.custom_reward_function.name",

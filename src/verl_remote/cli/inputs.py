@@ -182,8 +182,8 @@ def check_inputs(config: DictConfig, defaults: DictConfig | None = None) -> list
     is not the demo (so that a key left at verl's default is named as such). Raises :class:`PreflightError`."""
     unset = {key for key in (MODEL_KEY, TRAIN_KEY, VAL_KEY) if _not_set(config, defaults, key)}
     check_data(config, skip=unset)  # what the user set, first
-    if MODEL_KEY not in unset:
-        check_model(config)  # its notes are run_preflight's to print
+    if MODEL_KEY not in unset and not str(OmegaConf.select(config, MODEL_KEY, default="")).startswith(DEMO_PREFIX):
+        check_model(config)  # its notes are run_preflight's to print (the demo's model is made later)
     _check_unset_inputs(config, unset)
     reward_path, reward_name = _reward(config)
     reward_section = config.get("reward") or {}
@@ -215,7 +215,6 @@ def check_inputs(config: DictConfig, defaults: DictConfig | None = None) -> list
                 local = os.path.expanduser(path.removeprefix("file://"))
                 found.sources |= set(_check_columns(key, local, prompt_key, registered))
     train, val = files[TRAIN_KEY], files[VAL_KEY]
-    _check_enough_rows(config, train)
 
     model = OmegaConf.select(config, MODEL_KEY, default=None)
     model_demo = model is not None and is_demo_value(model)
@@ -240,6 +239,7 @@ def check_inputs(config: DictConfig, defaults: DictConfig | None = None) -> list
     with_reward_model = bool((reward_section.get("reward_model") or {}).get("enable", False))
     if reward_path is None and registered and not with_reward_model:
         _check_builtin_rewards(train, val)
+    _check_enough_rows(config, train)
 
     parts = {
         "model": model_demo,

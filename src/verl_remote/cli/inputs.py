@@ -152,7 +152,7 @@ def _not_set(config: DictConfig, defaults: DictConfig | None, key: str) -> bool:
     with nothing of the user's, for a run that is not the demo)."""
     if defaults is None:
         return False
-    return OmegaConf.select(config, key, default=None) == OmegaConf.select(defaults, key, default=None)
+    return bool(OmegaConf.select(config, key, default=None) == OmegaConf.select(defaults, key, default=None))
 
 
 def _check_unset_inputs(config: DictConfig, unset: set[str]) -> None:

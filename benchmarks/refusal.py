@@ -24,13 +24,32 @@ from pathlib import Path
 MESSAGE_TARGET_S = 3.0
 EXIT_TARGET_S = 1.0
 
-#: (what, overrides): a type refusal, a range refusal, an unknown key, an unknown backend.
+#: A run's own model and data, written by :func:`own_inputs` into the benchmark's folder ``{own}``.
+OWN = ["actor_rollout_ref.model.path={own}/model", "data.train_files={own}/train.parquet"]
+#: (what, overrides): a type refusal, a range refusal, an unknown key, an unknown backend, and the user's own data
+#: refused before Ray: without a reward for its data_source, beside the demo's reward.
 CASES = [
     ("a type (rollout.n=two)", ["actor_rollout_ref.rollout.n=two"]),
     ("a range (rollout.n=0)", ["actor_rollout_ref.rollout.n=0"]),
-    ("an unknown key", ["trainer.no_such_key=1"]),
+    ("an unknown key", ["remote_backend=arctic", "remote_backend.url=http://127.0.0.1:7000"]),
     ("an unknown backend", ["remote_backend=arcitc"]),
+    ("your data, no reward", [*OWN, "data.val_files={own}/train.parquet"]),
+    ("your data, the demo's reward", [*OWN, "data.val_files={own}/train.parquet", "--recipe", "demo"]),
 ]
+
+
+def own_inputs(folder: Path) -> None:
+    """A model folder (its config.json is all a refusal reads) and a data file in verl's RL format."""
+    import pandas as pd
+
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+    row = {
+        "data_source": "my_task",
+        "prompt": [{"role": "user", "content": "2 + 3?"}],
+        "reward_model": {"ground_truth": "5"},
+    }
+    pd.DataFrame([row] * 64).to_parquet(folder / "train.parquet")
 
 
 def script() -> str:
@@ -40,12 +59,20 @@ def script() -> str:
     return found
 
 
-def once(overrides: list[str]) -> tuple[float, float, int, str, list[str]]:
+def once(overrides: list[str], own: Path) -> tuple[float, float, int, str, list[str]]:
     """(seconds to the refusal's line, seconds from it to the exit, exit code, the line, what the run wrote)."""
+    options = [overrides[i + 1] for i, word in enumerate(overrides) if word == "--recipe"]
+    words = [w.format(own=own) for i, w in enumerate(overrides) if w != "--recipe" and overrides[i - 1] != "--recipe"]
     with tempfile.TemporaryDirectory() as folder:
         start = time.monotonic()
         proc = subprocess.Popen(
-            [script(), "train", *overrides, f"trainer.default_local_dir={folder}/ckpt"],
+            [
+                script(),
+                "train",
+                *(f"--recipe={o}" for o in options),
+                *words,
+                f"trainer.default_local_dir={folder}/ckpt",
+            ],
             cwd=folder,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -70,8 +97,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     results, ok = [], True
+    own = Path(tempfile.mkdtemp(prefix="refusal-inputs-"))
+    own_inputs(own)
     for what, overrides in CASES:
-        runs = [once(overrides) for _ in range(args.runs)]
+        runs = [once(overrides, own) for _ in range(args.runs)]
         message = statistics.median(r[0] for r in runs)
         exit_after = statistics.median(r[1] for r in runs)
         codes = sorted({r[2] for r in runs})
@@ -94,6 +123,7 @@ def main() -> int:
             f"wrote {wrote or 'nothing'}{'' if passed else '  <- over target'}",
             flush=True,
         )
+    shutil.rmtree(own)
     print(json.dumps({"runs": args.runs, "cpus": os.cpu_count(), "results": results}, indent=2))
     return 0 if ok else 1
 

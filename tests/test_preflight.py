@@ -137,6 +137,12 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
             ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
             "verl rejected the config: train_batch_size (8) must be >= actor.ppo_mini_batch_size (16)",
         ),
+        # A check in one of verl's config dataclasses: one line naming the section, not Hydra's traceback.
+        (
+            ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
+            "verl rejected the config: [actor] Please set at least one of 'actor.ppo_micro_batch_size' or "
+            "'actor.ppo_micro_batch_size_per_gpu' if use_dynamic_bsz is not enabled. (in actor_rollout_ref.actor)",
+        ),
         (["remote_backend.sampler=sglang"], "remote_backend.sampler='sglang': use one of hf, vllm, auto"),
         # The suite's environment has no vLLM (the fresh install's test adds it and samples with it).
         (

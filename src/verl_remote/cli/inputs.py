@@ -22,6 +22,7 @@ import ast
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -121,13 +122,14 @@ def _check_columns(key: str, path: str, prompt_key: str, reward_columns: bool) -
                 f"{key}={path}: column 'reward_model' holds {reward}; verl's reward managers read "
                 "reward_model['ground_truth'] and give it to the reward function: {'ground_truth': ...} in every row"
             )
+    if "data_source" in names:
         yield from data_sources(path)
 
 
 def _defined(path: str, name: str) -> None:
     """The reward file parses and binds ``name`` at its top level (a function, an import, an assignment)."""
     try:
-        tree = ast.parse(open(path).read(), filename=path)  # noqa: SIM115 - read at once
+        tree = ast.parse(Path(path).read_text(), filename=path)
     except SyntaxError as exc:
         raise PreflightError(f"{REWARD_KEY}={path}, line {exc.lineno}: not valid Python: {exc.msg}") from None
     bound: list[str] = []

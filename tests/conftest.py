@@ -110,10 +110,12 @@ LONGEST_FIRST = (
     "tests/tinker_service/test_tinker_server.py",
     "tests/test_cluster.py",
     "tests/test_check.py",
+    "tests/test_own_run.py",
     # Then the longest of the quick tier (-m "not (slow or train or arctic_real or tinker)"), for the same reason.
     "tests/test_cli.py",
     "tests/test_verl_plugin.py",
     "tests/test_preflight.py",
+    "tests/test_docs.py",
 )
 
 

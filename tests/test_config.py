@@ -54,6 +54,7 @@ def test_defaults_are_verls_ppo_trainer_with_the_local_backend_and_the_demo_is_a
         (["data.train_files=/data/train.parquet"], None),
         (["data.val_files=/data/val.parquet"], None),
         (["+data.train_files=/data/train.parquet"], None),
+        (["data.train_files=[verl-remote://demo/train.parquet,/data/more.parquet]"], None),
     ],
 )
 def test_a_command_is_the_demo_when_it_names_no_model_and_no_data_of_its_own(
@@ -63,6 +64,18 @@ def test_a_command_is_the_demo_when_it_names_no_model_and_no_data_of_its_own(
 
     assert recipe_for(overrides, None) == recipe
     assert recipe_for(overrides, "configs/mine.yaml") == "configs/mine.yaml"  # a recipe decides for itself
+
+
+def test_the_demos_files_where_they_are_made_count_as_the_demos() -> None:
+    """verl-remote's own commands print the demo's assets as the files they are made into (the Tinker local
+    server's ready line, `config --overrides`): those name the demo's inputs too."""
+    from verl_remote.demo import is_demo_value, reward
+    from verl_remote.demo.assets import default_cache_dir
+
+    model = default_cache_dir() / "lora-model"
+    assert is_demo_value(str(model)) and is_demo_value(f"file://{model}")
+    assert is_demo_value(reward.__file__)
+    assert not is_demo_value(str(default_cache_dir().parent / "another")) and not is_demo_value("Qwen/Qwen3-8B")
 
 
 def test_remote_backend_selects_the_group_without_plus_and_takes_verl_overrides() -> None:

@@ -37,12 +37,13 @@ def is_demo_value(value: Any) -> bool:
         return is_demo_value([item.strip().strip("'\"") for item in text[1:-1].split(",") if item.strip()])
     if text.startswith(DEMO_PREFIX):
         return True
+    text = text.removeprefix("file://")
     if "://" in text or not text:
         return False
     from verl_remote.demo.assets import default_cache_dir
 
     cache = default_cache_dir().expanduser().resolve()
-    path = Path(text.removeprefix("file://")).expanduser().resolve()
+    path = Path(text).expanduser().resolve()
     return path == cache or cache in path.parents or path == (Path(__file__).parent / "reward.py").resolve()
 
 

@@ -61,8 +61,8 @@ def types(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Both distributions (verl-remote, verl-arctic) and the examples as an sdist and a wheel built from it, into
-    dist/, checked as the package index would check them."""
+    """The three distributions (verl-remote, verl-arctic, verl-remote-tinker) and the examples, each as an sdist
+    and a wheel built from it, into dist/, checked as the package index would check them."""
     session.install("build", "twine")
     out = ROOT / "dist"
     for stale in out.glob("verl_*") if out.is_dir() else []:

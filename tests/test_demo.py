@@ -70,3 +70,15 @@ def test_a_lora_on_attention_and_mlp_reaches_the_target_on_the_lora_model_not_on
     again = lora_reach(assets.model_path, seed=1, starts=4)
     for digit, best in tied.best_reward_per_digit.items():
         assert again.best_reward_per_digit[digit] == pytest.approx(best, abs=1e-9)
+
+
+def test_preparing_the_demo_is_said_only_when_something_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for made in (True, False):
+        config = compose_config([], recipe="demo")
+        resolve_demo_assets(config)
+        said = "preparing the demo's model, tokenizer and data" in capsys.readouterr().out
+        assert said is made
+        assert Path(config.actor_rollout_ref.model.path).is_relative_to(tmp_path)

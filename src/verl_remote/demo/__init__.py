@@ -80,9 +80,10 @@ def resolve_demo_assets(config: DictConfig) -> bool:
     from pathlib import Path
 
     from verl_remote.demo import reward
-    from verl_remote.demo.assets import ensure_demo_assets
+    from verl_remote.demo.assets import demo_assets_made, ensure_demo_assets
 
-    print("verl-remote: preparing the demo's model, tokenizer and data (once, then cached) ...", flush=True)
+    if not demo_assets_made():  # said only when something is made
+        print("verl-remote: preparing the demo's model, tokenizer and data (once, then cached) ...", flush=True)
     assets = ensure_demo_assets()
     paths = {
         "model": assets.model_path,

@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEMO_VERSION", "LORA_HEAD_STD", "DemoAssets", "default_cache_dir", "ensure_demo_assets"]
+__all__ = ["DEMO_VERSION", "LORA_HEAD_STD", "DemoAssets", "default_cache_dir", "demo_assets_made", "ensure_demo_assets"]
 
 # Bump when the assets change, so old caches are not reused.
 DEMO_VERSION = "4"
@@ -193,6 +193,12 @@ def _make_dataset(train: Path, val: Path, seed: int) -> None:
     train.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows(512, "train")).to_parquet(train)
     pd.DataFrame(rows(32, "val")).to_parquet(val)
+
+
+def demo_assets_made(cache_dir: Path | None = None) -> bool:
+    """Whether :func:`ensure_demo_assets` has everything already (it would make nothing)."""
+    assets = DemoAssets((cache_dir or default_cache_dir()).expanduser().resolve())
+    return (assets.root / "COMPLETE").is_file() and assets.lora_model_path.is_dir()
 
 
 def ensure_demo_assets(cache_dir: Path | None = None, seed: int = 0) -> DemoAssets:

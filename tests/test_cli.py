@@ -62,6 +62,7 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
     lines = out.stdout.splitlines()
     expected_ok = [
         "[ok  ] verl version is supported: verl 0.9.",
+        "[ok  ] verl has its V1 trainer and the names verl-remote relies on: 77 names, as verl 0.9.1 has them",
         "[ok  ] verl loads the verl-remote plugin",
         "[ok  ] Hydra finds the verl-remote search path plugin",
         "[ok  ] backend echo (verl-remote-echo-backend 0.1.0) loads",
@@ -89,9 +90,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
             assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
     example = "[ok  ] backend bigram (verl-remote-bigram 0.1.0) loads"  # installed like any wheel
     assert any(line.startswith(example) for line in lines)
-    # 5 environment checks (vLLM's among them), 3 for each of arctic, bigram, echo, local, faulty and tinker; 2 for
-    # each broken registration.
-    assert lines[-1] == "doctor: 23 checks passed, 18 failed"
+    # 6 environment checks (verl's names and vLLM's among them), 3 for each of arctic, bigram, echo, local, faulty
+    # and tinker; 2 for each broken registration.
+    assert lines[-1] == "doctor: 24 checks passed, 18 failed"
 
 
 @pytest.mark.parametrize(

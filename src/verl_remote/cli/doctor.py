@@ -39,6 +39,19 @@ def check_verl_version() -> Check:
     return Check("verl version is supported", True, f"verl {version('verl')}, supported: {SUPPORTED_VERL}")
 
 
+def check_verl_seams() -> Check:
+    """The names verl-remote relies on, each against the installed verl (verl_remote.integration.seams)."""
+    name = "verl has its V1 trainer and the names verl-remote relies on"
+    if verl_version_problem() is not None:
+        return Check(name, False, "not checked: the verl version is not supported (above)")
+    from verl_remote.integration.seams import SEAMS, verl_problem
+
+    problem = verl_problem()
+    if problem is not None:
+        return Check(name, False, problem)
+    return Check(name, True, f"{len(SEAMS)} names, as verl {version('verl')} has them")
+
+
 def plugin_status() -> tuple[bool, str]:
     """Whether ``import verl`` loaded verl-remote's plugin in this process, and why not.
 
@@ -176,6 +189,7 @@ def run_checks(*, ray_worker: bool = True, on_check: Callable[[Check], None] | N
             on_check(check)
 
     record(check_verl_version())
+    record(check_verl_seams())
     record(check_plugin())
     record(check_search_path_plugin())
     reports = inspect_backends()

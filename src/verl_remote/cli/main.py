@@ -92,6 +92,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from verl_remote.cli.preflight import check_numbers, run_preflight
     from verl_remote.cli.run import Terminated, check_run_folder_free, hold_run_folder, prepare_config, run
     from verl_remote.demo import recipe_for
+    from verl_remote.discovery.compat import UnsupportedVerlError
     from verl_remote.discovery.compose import ConfigError, compose_config
     from verl_remote.discovery.registry import load_backend_class
 
@@ -135,8 +136,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
             _report_end(console, config)
             print("verl-remote train: terminated by SIGTERM", file=sys.stderr)
             return EXIT_TERMINATED
-        except ConfigError:  # found once Ray runs (a cluster node that cannot see a path): exit 2, as before it
-            raise
+        except (ConfigError, UnsupportedVerlError):  # found once the run starts (a cluster node that cannot see a
+            raise  # path, a verl without the V1 trainer): exit 2, as before it
         except Exception as exc:
             if args.traceback:
                 raise

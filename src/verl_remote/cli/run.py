@@ -219,9 +219,16 @@ def run(config: DictConfig) -> RunSummary:
 def _run(config: DictConfig) -> RunSummary:
     import ray
 
+    from verl_remote.discovery.compat import UnsupportedVerlError
     from verl_remote.integration.cluster import check_cluster_paths
+    from verl_remote.integration.seams import verl_problem
     from verl_remote.integration.trainer import RemoteTaskRunner
 
+    # verl's V1 trainer, whose modules the import above loaded: a verl in range that switched it off or moved its
+    # names is named in one line, before Ray starts.
+    problem = verl_problem(everything=False)
+    if problem is not None:
+        raise UnsupportedVerlError(problem)
     _ray_init(config)
     asked = check_cluster_paths(config, LOCK_FILE)
     if asked:

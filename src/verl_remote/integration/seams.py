@@ -1,17 +1,23 @@
-"""Every name of verl's that verl-remote relies on beyond verl's documented extension points, in one place.
+"""Every name of verl's that verl-remote relies on, in one place: what it imports, subclasses, overrides, sets or
+reads.
 
 verl-remote patches nothing, but it subclasses verl's trainer, TaskRunner, worker and rollout replica, and a
 subclass relies on private methods and attributes a verl release may rename. This table is the list of them,
-with the parameters each is called or overridden with; ``tests/test_verl_plugin.py`` checks every entry
-against the installed verl, so a verl upgrade that moves one fails that test, naming it, rather than a run.
-:mod:`verl_remote.discovery.compat` refuses a verl outside the tested range before any of them is touched.
+with the parameters each is called or overridden with. It is checked both ways by ``tests/test_seams.py``: every
+verl name the code imports, or overrides in a subclass of verl's, is on it (read from the code), and every entry
+holds in the installed verl (:func:`problems`). :mod:`verl_remote.discovery.compat` refuses a verl outside the
+tested range before any of them is touched; a verl in range whose V1 trainer is gone or disabled is named in one
+line by ``verl-remote doctor`` and before a run starts (:func:`verl_problem`).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["SEAMS", "Seam"]
+__all__ = ["SEAMS", "Seam", "problems", "resolve", "verl_problem"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class Seam:
 
 _TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
 _REPLICA = "verl.workers.rollout.replica:RolloutReplica"
+_SYNC = "verl.trainer.ppo.v1.trainer_sync:PPOTrainerSync"
 
 SEAMS: tuple[Seam, ...] = (
     # The trainer (integration/trainer.py): RemotePPOTrainer subclasses PPOTrainerSync.
@@ -79,7 +86,7 @@ SEAMS: tuple[Seam, ...] = (
     ),
     # The TaskRunner: RemoteTaskRunner subclasses the Ray actor's class.
     Seam("verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__", "RemoteTaskRunner's base"),
-    Seam("verl.trainer.main_ppo:TaskRunnerV1.run", "the run, then the summary", ("config",)),
+    Seam("verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__.run", "the run, then the summary", ("self", "config")),
     Seam(
         "verl.single_controller.ray.base:ResourcePoolManager.create_resource_pool",
         "CPU-only bundles",
@@ -128,4 +135,141 @@ SEAMS: tuple[Seam, ...] = (
     Seam("verl.trainer.ppo.utils:need_critic", "verl's config checks", ("config",)),
     Seam("verl.trainer.ppo.utils:need_reference_policy", "verl's config checks", ("config",)),
     Seam("verl.trainer.constants_ppo:get_ppo_ray_runtime_env", "verl's runtime environment for Ray", ("config",)),
+    # The trainer's classes and what RemotePPOTrainer overrides beyond the steps above (integration/trainer.py).
+    Seam(f"{_SYNC}", "RemotePPOTrainer's base"),
+    Seam(f"{_SYNC}.__init__", "the trainer built from the run's config", ("self", "config")),
+    Seam(f"{_SYNC}.init", "the backend built before verl's workers", ("self",)),
+    Seam(f"{_SYNC}.fit", "the backend destroyed on every way out", ("self", "agent_loop_manager")),
+    Seam(f"{_SYNC}.on_train_begin", "the weights version before the first step", ("self",)),
+    Seam(f"{_SYNC}._consume_sync_metrics", "the background weight sync's timings", ("self",)),
+    Seam(f"{_SYNC}._update_actor", "waits for a background weight sync", ("self", "batch", "metrics")),
+    Seam("verl.trainer.ppo.v1.trainer_base:register_trainer", "the remote and remote_async modes", ("name",)),
+    Seam("verl.trainer.ppo.utils:Role", "the roles the forwarder takes"),
+    Seam("verl.single_controller.ray.base:ResourcePoolManager", "CPUResourcePoolManager's base"),
+    Seam("verl.single_controller.ray.base:RayResourcePool", "a pool without GPUs"),
+    Seam("verl.trainer.main_ppo:TaskRunnerV1", "the Ray actor verl's launcher runs; RemoteTaskRunner's base"),
+    # The forwarder (integration/worker.py): verl's worker-group API.
+    Seam("verl.single_controller.base:Worker", "RemoteForwarderWorker's base"),
+    Seam("verl.single_controller.base:Worker.__init__", "the forwarder's rank and world", ("self",)),
+    Seam(
+        "verl.single_controller.base.decorator:register",
+        "the forwarder's methods as verl's worker group calls them",
+        ("dispatch_mode", "execute_mode", "blocking"),
+    ),
+    Seam("verl.single_controller.base.decorator:Dispatch", "ONE_TO_ALL for lifecycle calls"),
+    Seam(
+        "verl.single_controller.base.decorator:make_nd_compute_dataproto_dispatch_fn",
+        "the actor and ref meshes' compute calls",
+        ("mesh_name",),
+    ),
+    Seam("verl.utils.flops_counter:FlopsCounter", "MFU per model type", ("config",)),
+    Seam("verl.utils.tensordict_utils:get", "a batch's fields", ("tensordict", "key", "default")),
+    Seam("verl.utils.tensordict_utils:get_tensordict", "the forwarder's answers", ("tensor_dict", "non_tensor_dict")),
+    Seam(
+        "verl.utils.tensordict_utils:make_iterator",
+        "verl's mini-batches (size, epochs, shuffle and seed as verl sends them)",
+        ("tensordict", "mini_batch_size", "epochs", "seed", "dataloader_kwargs"),
+    ),
+    Seam("verl.utils.tensordict_utils:assign_non_tensor", "the loss's settings on a mini-batch", ("tensor_dict",)),
+    # The rollout replica (integration/rollout.py).
+    Seam(f"{_REPLICA}", "RemoteRolloutReplica's base"),
+    Seam("verl.workers.rollout.replica:RolloutMode", "standalone or colocated"),
+    Seam("verl.workers.rollout.replica:TokenOutput", "a sample's tokens, log-probs and weights version"),
+    # What backends compute with (kit/compute.py, the local engine, verl-remote-tinker's session).
+    Seam("verl.workers.utils.losses:ppo_loss", "every backend's policy loss", ("config", "model_output", "data")),
+    Seam("verl.utils.metric:Metric", "the loss's metrics"),
+    Seam("verl.utils.config:omega_conf_to_dataclass", "verl's actor config as its dataclass", ("config",)),
+    Seam("verl.workers.config.optimizer:build_optimizer", "the local engine's optimizer", ("parameters", "config")),
+    Seam(
+        "verl.utils.torch_functional:get_constant_schedule_with_warmup",
+        "the learning-rate schedule",
+        ("optimizer", "num_warmup_steps"),
+    ),
+    Seam(
+        "verl.utils.torch_functional:get_cosine_schedule_with_warmup",
+        "the learning-rate schedule",
+        (
+            "optimizer",
+            "num_warmup_steps",
+            "num_training_steps",
+            "min_lr_ratio",
+            "num_cycles",
+            "last_epoch",
+            "init_lr_ratio",
+            "zero_indexed_step",
+        ),
+    ),
+    # Read, not imported (integration/rewards.py): the data sources verl's built-in rewards score.
+    Seam(
+        "verl.utils.reward_score:default_compute_score",
+        "its source read for the data sources it scores",
+        ("data_source", "solution_str", "ground_truth", "extra_info"),
+    ),
 )
+
+
+#: What verl's trainer entry point says when a release has switched the V1 trainer off (verl's ``neo`` branch,
+#: towards RFC #6988).
+V1_DISABLED = "TrainerV1 is disabled"
+
+
+def resolve(target: str) -> Any:
+    """The object a ``module:Qualified.name`` target names (imports the module)."""
+    module, _, path = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def problems(seams: tuple[Seam, ...] = SEAMS) -> list[str]:
+    """Each entry the installed verl does not hold, as ``target: what is wrong`` (imports verl's modules)."""
+    found = []
+    for seam in seams:
+        name = seam.target.rpartition(".")[2]
+        try:
+            if seam.set_in is not None:
+                source = inspect.getsource(resolve(seam.set_in))
+                if f"self.{name} =" not in source and f"self.{name}:" not in source:
+                    found.append(f"{seam.target}: not set in {seam.set_in}")
+                continue
+            obj = resolve(seam.target)
+            if seam.params is not None:
+                params = [p for p in inspect.signature(obj).parameters if p != "_ray_trace_ctx"]
+                if params[: len(seam.params)] != list(seam.params):
+                    found.append(f"{seam.target}: parameters {params}, verl-remote relies on {list(seam.params)}")
+        except (ImportError, AttributeError, TypeError, OSError, ValueError) as exc:
+            found.append(f"{seam.target}: {type(exc).__name__}: {exc}")
+    return found
+
+
+#: Where verl's V1 trainer lives: the seams a run's driver checks before it starts (the driver imports these
+#: modules anyway); ``verl-remote doctor`` checks them all.
+V1_MODULES = ("verl.trainer.", "verl.single_controller.ray.")
+
+
+def verl_problem(everything: bool = True) -> str | None:
+    """One line when the installed verl lacks what verl-remote relies on (its V1 trainer switched off or gone), or
+    None when it has it. ``everything=False`` checks the V1 trainer's seams only (:data:`V1_MODULES`)."""
+    from importlib.metadata import version
+
+    installed = version("verl")
+    try:
+        entry = inspect.getsource(importlib.import_module("verl.trainer.main_ppo"))
+    except (ImportError, OSError) as exc:
+        entry, missing = "", [f"verl.trainer.main_ppo: {type(exc).__name__}: {exc}"]
+    else:
+        chosen = tuple(seam for seam in SEAMS if everything or seam.target.startswith(V1_MODULES))
+        missing = problems(chosen)
+    if V1_DISABLED in entry:
+        return (
+            f"verl {installed} has its V1 trainer switched off (verl.trainer.main_ppo says {V1_DISABLED!r}), and "
+            "verl-remote runs verl's V1 trainer: install a verl release that has it (pip install 'verl>=0.9.1,<0.10')"
+        )
+    if not missing:
+        return None
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return (
+        f"verl {installed} lacks what verl-remote relies on (its V1 trainer, trainer.use_v1=true): {missing[0]}{more}; "
+        "install a verl release that has it (pip install 'verl>=0.9.1,<0.10'); verl-remote doctor lists every one"
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -110,6 +111,24 @@ def within_contract(result: SampleResult, params: SamplingParams) -> SampleResul
 
 class RemoteRolloutServer:
     """Runs as an async Ray actor; re-attaches to the backend through its handle."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        from verl_remote._deprecated import adapt_old_sample
+
+        adapt_old_sample(cls)  # sample(prompt_ids, max_tokens, sampling_params), as before 0.1.0: warns, adapted
+        sample = cls.__dict__.get("sample")
+        if sample is None:
+            return
+        where = f"{cls.__module__}.{cls.__qualname__}.sample"
+        if not inspect.iscoroutinefunction(sample):
+            raise TypeError(f"{where} must be 'async def sample(self, prompt_ids, params)'")
+        names = list(inspect.signature(sample, follow_wrapped=False).parameters)
+        if len(names) != 3:
+            raise TypeError(
+                f"{where}({', '.join(names)}): the rollout server calls sample(self, prompt_ids, params), "
+                "params a verl_remote.SamplingParams"
+            )
 
     def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
         self.config = rollout_config

@@ -90,18 +90,45 @@ def test_a_rollout_server_with_the_old_sample_signature_is_adapted_warning() -> 
     assert asyncio.run(server.sample([1], params)).token_ids == [5, 7]
 
 
-def test_a_rollout_server_whose_sample_does_not_fit_fails_when_defined() -> None:
-    from verl_remote import RemoteRolloutServer
+def test_a_worker_or_rollout_server_method_that_does_not_fit_fails_when_its_class_is_defined() -> None:
+    """pluggy-style: an override that drops an argument verl-remote passes, requires one it does not, or is async
+    where the base is not (or the reverse) is refused at definition, naming the method and the argument."""
+    from verl_remote import RemoteForwarderWorker, RemoteRolloutServer
 
-    with pytest.raises(TypeError, match=r"Wrong.sample\(self, prompt_ids\): the rollout server calls sample\("):
+    with pytest.raises(TypeError, match=r"Wrong.sample: it takes no argument for 'params'; verl-remote calls it as "):
 
         class Wrong(RemoteRolloutServer):
             async def sample(self, prompt_ids: list[int]) -> Any: ...
 
-    with pytest.raises(TypeError, match=r"Blocking.sample must be 'async def sample\(self, prompt_ids, params\)'"):
+    with pytest.raises(TypeError, match=r"Blocking.sample must be 'async def', as RemoteRolloutServer.sample is"):
 
         class Blocking(RemoteRolloutServer):
             def sample(self, prompt_ids: list[int], params: Any) -> Any: ...
+
+    with pytest.raises(TypeError, match=r"NoMeta.backend_forward_backward: it takes no argument for 'meta'"):
+
+        class NoMeta(RemoteForwarderWorker):
+            def backend_forward_backward(self, mini_batch: Any) -> dict[str, float]: ...
+
+    with pytest.raises(TypeError, match=r"NoReference.backend_log_probs: it takes no keyword argument 'reference'"):
+
+        class NoReference(RemoteForwarderWorker):
+            def backend_log_probs(self, data: Any, *, temperature: float, calculate_entropy: bool) -> Any: ...
+
+    with pytest.raises(TypeError, match=r"MoreNeeded.backend_optimizer_step: it requires 'scale', which verl-remote"):
+
+        class MoreNeeded(RemoteForwarderWorker):
+            def backend_optimizer_step(self, scale: float) -> dict[str, float]: ...
+
+    with pytest.raises(TypeError, match=r"Awaited.backend_optimizer_step must be a plain 'def'"):
+
+        class Awaited(RemoteForwarderWorker):
+            async def backend_optimizer_step(self) -> dict[str, float]: ...
+
+    class Fits(RemoteForwarderWorker):  # other names, positional where the base has keywords, **kwargs: all fine
+        def backend_log_probs(self, data: Any, temperature: float, calculate_entropy: bool, reference: bool) -> Any: ...
+        def backend_forward_backward(self, batch: Any, meta: Any, extra: int = 0) -> dict[str, float]: ...
+        def backend_start_profile(self, **kwargs: Any) -> bool: ...
 
 
 _PATH = re.compile(r"(?<![\w/.-])((?:verl_remote|verl_arctic|verl_remote_tinker)(?:\.[A-Za-z_]\w*)+)")

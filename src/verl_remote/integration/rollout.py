@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +27,7 @@ from verl_remote.discovery.registry import load_backend_class, load_rollout_clas
 from verl_remote.integration.handoff import read as read_handoff
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
+from verl_remote.kit.overrides import check_overrides
 
 __all__ = ["BackendRolloutReplica", "RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult", "SamplingParams"]
 
@@ -117,18 +117,7 @@ class RemoteRolloutServer:
         from verl_remote._deprecated import adapt_old_sample
 
         adapt_old_sample(cls)  # sample(prompt_ids, max_tokens, sampling_params), as before 0.1.0: warns, adapted
-        sample = cls.__dict__.get("sample")
-        if sample is None:
-            return
-        where = f"{cls.__module__}.{cls.__qualname__}.sample"
-        if not inspect.iscoroutinefunction(sample):
-            raise TypeError(f"{where} must be 'async def sample(self, prompt_ids, params)'")
-        names = list(inspect.signature(sample, follow_wrapped=False).parameters)
-        if len(names) != 3:
-            raise TypeError(
-                f"{where}({', '.join(names)}): the rollout server calls sample(self, prompt_ids, params), "
-                "params a verl_remote.SamplingParams"
-            )
+        check_overrides(cls, RemoteRolloutServer, ("sample",))  # one that does not fit fails here, not in a step
 
     def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
         self.config = rollout_config

@@ -32,14 +32,32 @@ from verl.utils import tensordict_utils as tu
 from verl_remote.discovery.registry import load_backend_class
 from verl_remote.integration.handoff import read as read_handoff
 from verl_remote.kit.backend import RemoteBackend
+from verl_remote.kit.overrides import check_overrides
 
 __all__ = ["RemoteForwarderWorker"]
 
 log = logging.getLogger(__name__)
 
 
+#: The methods a backend's worker implements or may override, called by verl-remote with these bases' arguments.
+HOOKS = (
+    "backend_log_probs",
+    "backend_forward_backward",
+    "backend_optimizer_step",
+    "backend_end_of_step",
+    "backend_start_profile",
+    "backend_stop_profile",
+    "backend_device_name",
+    "backend_flops",
+)
+
+
 class RemoteForwarderWorker(Worker):
     """Base class of a backend's forwarder worker (one Ray process, no GPU)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_overrides(cls, RemoteForwarderWorker, HOOKS)  # a hook that does not fit fails here, not in a step
 
     def __init__(self, config: DictConfig, role: str, distillation_config: Any = None, **kwargs: Any) -> None:
         super().__init__()

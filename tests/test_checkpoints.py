@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from verl_remote.integration.checkpoints import TRACKER, check, complete_steps, resume_target, seal
+from verl_remote.runtime.checkpoints import TRACKER, check, complete_steps, resume_target, seal
 
 pytestmark = pytest.mark.faults
 

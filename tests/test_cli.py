@@ -90,9 +90,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
             assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)
     example = "[ok  ] backend bigram (verl-remote-bigram 0.1.0) loads"  # installed like any wheel
     assert any(line.startswith(example) for line in lines)
-    # 6 environment checks (verl's names and vLLM's among them), 3 for each of arctic, bigram, echo, local, faulty
-    # and tinker; 2 for each broken registration.
-    assert lines[-1] == "doctor: 24 checks passed, 18 failed"
+    # 6 environment checks (verl's names and vLLM's among them), 3 for each of arctic, bigram, echo, local, faulty,
+    # frozen and tinker; 2 for each broken registration.
+    assert lines[-1] == "doctor: 27 checks passed, 18 failed"
 
 
 @pytest.mark.parametrize(

@@ -210,7 +210,7 @@ def test_a_value_with_spaces_cannot_be_one_override_word() -> None:
 
 
 def test_the_paths_every_cluster_node_must_see_are_the_local_ones_verl_opens(tmp_path: Path) -> None:
-    from verl_remote.integration.cluster import SharedPath, shared_paths
+    from verl_remote.runtime.cluster import SharedPath, shared_paths
 
     model = tmp_path / "model"
     model.mkdir()

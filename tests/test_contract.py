@@ -179,3 +179,25 @@ def test_the_contract_docs_name_the_deprecated_paths_and_their_replacements() ->
     guide = (ROOT / "docs" / "backend-author-guide.md").read_text()
     for module in OLD_MODULES:
         assert f"`{module}`" in guide, module
+
+
+def test_the_author_guides_table_of_the_face_is_all_of_it_with_each_names_mark() -> None:
+    """The face's names and their marks are said once, in the code (``__all__``, ``__stability__``); the guide's
+    table of "What is stable" must show every one of them, with its mark, and nothing else of the face's."""
+    import verl_remote
+
+    guide = (ROOT / "docs" / "backend-author-guide.md").read_text()
+    table = guide[guide.index("| kind | names | stability |") :].split("\n\n", 1)[0]
+    shown: dict[str, str] = {}
+    for row in table.splitlines()[2:]:
+        _, _kind, names, mark, _ = (cell.strip() for cell in row.split("|"))
+        assert mark in ("stable", "beta"), row
+        for quoted in re.findall(r"`([^`]+)`", names):
+            name = quoted.split("(")[0]
+            if name.isidentifier() and "." not in name:  # the kit's own paths (verl_remote.testing...) aside
+                shown[name] = mark
+    # A row may explain a name's methods (RayService's call, the server's sample): nothing else is not the face's.
+    assert set(shown) - set(verl_remote.__all__) == {"call", "call_async", "sample"}
+    face = {name: shown.get(name) for name in verl_remote.__all__ if name != "__version__"}
+    assert face == verl_remote.__stability__
+    assert set(verl_remote.__stability__) == set(verl_remote.__all__) - {"__version__"}

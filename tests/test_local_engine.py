@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from verl_remote import SamplingParams
 from verl_remote.backends.local.backend import Batches
 from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest
 from verl_remote.demo.assets import ensure_demo_assets
@@ -24,10 +25,8 @@ def engine() -> LocalEngine:
 
 
 def _request(prompt: list[int], **changes: Any) -> SampleRequest:
-    fields: dict[str, Any] = dict(
-        prompt_ids=prompt, max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1, logprobs=True, stop_token_ids=[]
-    )
-    return SampleRequest(**{**fields, **changes})
+    fields: dict[str, Any] = dict(max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1, logprobs=True, stop_token_ids=())
+    return SampleRequest(prompt, SamplingParams(**{**fields, **changes}))
 
 
 def test_a_batch_samples_each_row_with_its_own_parameters_and_the_training_forwards_log_probs(
@@ -71,7 +70,7 @@ def test_a_row_stops_after_its_first_stop_id_while_the_others_go_on(engine: Loca
     stop = free.token_ids[2]  # the first time it comes may be earlier
     first = free.token_ids.index(stop)
     stopped, going = engine.generate_batch(
-        [_request(prompt, temperature=0.0, stop_token_ids=[stop]), _request(prompt, temperature=0.0)]
+        [_request(prompt, temperature=0.0, stop_token_ids=(stop,)), _request(prompt, temperature=0.0)]
     )
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert going.token_ids == free.token_ids and going.log_probs == pytest.approx(free.log_probs, abs=1e-5)

@@ -120,7 +120,7 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
     config = compose_config([f"trainer.default_local_dir={tmp_path}"], recipe="demo")
     resolve_demo_assets(config)
     with pytest.raises(PreflightError, match="nothing answers there"):
-        run_preflight(config, compose_config(recipe="demo"), refuse)
+        run_preflight(config, refuse)
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,10 @@ import logging
 import os
 import subprocess
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
-from verl_arctic.client import ArcticClient, ArcticError, describe_answer, probe_generation
+from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
 from verl_arctic.jobs import check_objective, job_configs, refusal_hint
 from verl_arctic.launch import launch_server, require_free_port
 from verl_arctic.record import JOBS_FILE, RUN_DIR_PREFIX, clean_up_after_a_dead_run
@@ -33,35 +32,72 @@ log = logging.getLogger(__name__)
 POINTER_FILE = "arctic_checkpoint.json"
 
 
-def _token(comms: dict[str, Any]) -> str | None:
-    if comms.get("protocol", "http") != "http":
-        raise ValueError(
-            f"remote_backend.comms.protocol={comms.get('protocol')!r} is not supported: verl-arctic talks to Arctic "
-            "over HTTP (its Ray transport needs arctic_platform, which pins transformers<5, in verl's environment)"
-        )
-    token_env = comms.get("token_env")
-    if not token_env:
-        return None
-    token = os.environ.get(str(token_env))
-    if not token:
-        raise ValueError(
-            f"remote_backend.comms.token_env={token_env}: that environment variable is empty; "
-            f"export {token_env}=<token> before the run"
-        )
-    return token
+@dataclass(frozen=True)
+class ArcticSettings:
+    """What a run needs of ``remote_backend.comms`` and verl's objective, validated once, in one place:
+    :meth:`ArcticBackend.preflight` (before Ray) and :meth:`ArcticBackend.from_config` (on the driver) both
+    start from :meth:`for_run`, a process attaching to the run from :meth:`of`."""
 
+    url: str
+    api: str
+    token: str | None
+    connect_timeout: float
+    read_timeout: float
+    retries: int
+    launch: str | None
+    startup_timeout: float
+    job_ready_timeout: float
 
-def _client(settings: dict[str, Any], generation: str) -> ArcticClient:
-    comms = settings["comms"]
-    token = _token(comms)
-    return ArcticClient(
-        str(comms["url"]),
-        generation,
-        token=token,
-        connect_timeout=float(comms.get("connect_timeout_s", 10)),
-        read_timeout=float(comms.get("read_timeout_s", 1800)),
-        retries=int(comms.get("retries", 3)),
-    )
+    @classmethod
+    def for_run(cls, main_config: Any) -> ArcticSettings:
+        """The settings of a run to start: :meth:`of`, and a policy loss Arctic's training job can run."""
+        check_objective(as_dict(main_config.actor_rollout_ref.actor))
+        return cls.of(main_config)
+
+    @classmethod
+    def of(cls, main_config: Any) -> ArcticSettings:
+        """The settings (all a process attaching to a run needs), or ``ValueError`` naming the key to change: a
+        transport other than HTTP, an empty token variable."""
+        comms = as_dict(main_config.remote_backend)["comms"]
+        if comms.get("protocol", "http") != "http":
+            raise ValueError(
+                f"remote_backend.comms.protocol={comms.get('protocol')!r} is not supported: verl-arctic talks to "
+                "Arctic over HTTP (its Ray transport needs arctic_platform, which pins transformers<5, in verl's "
+                "environment)"
+            )
+        token_env = comms.get("token_env")
+        token = os.environ.get(str(token_env)) if token_env else None
+        if token_env and not token:
+            raise ValueError(
+                f"remote_backend.comms.token_env={token_env}: that environment variable is empty; "
+                f"export {token_env}=<token> before the run"
+            )
+        return cls(
+            url=str(comms["url"]).rstrip("/"),
+            api=str(comms.get("api", "auto")),
+            token=token,
+            connect_timeout=float(comms.get("connect_timeout_s", 10)),
+            read_timeout=float(comms.get("read_timeout_s", 1800)),
+            retries=int(comms.get("retries", 3)),
+            launch=str(comms["launch"]) if comms.get("launch") else None,
+            startup_timeout=float(comms.get("startup_timeout_s", 300)),
+            job_ready_timeout=float(comms.get("job_ready_timeout_s", 1800)),
+        )
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else None
+
+    def client(self, generation: str, *, retries: int | None = None) -> ArcticClient:
+        """A client of the server, speaking ``generation`` ("auto": the server's, detected)."""
+        return ArcticClient(
+            self.url,
+            generation,
+            token=self.token,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            retries=self.retries if retries is None else retries,
+        )
 
 
 def check_server_size(client: ArcticClient, settings: dict[str, Any]) -> None:
@@ -117,23 +153,22 @@ class ArcticBackend(RemoteBackend):
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> ArcticBackend:
         settings = as_dict(main_config.remote_backend)
-        if handle is not None:
-            return cls(_client(settings, str(handle["generation"])), dict(handle["jobs"]), settings)
-        comms = settings["comms"]
+        if handle is not None:  # a forwarder or a rollout server, attaching (its config has no actor section)
+            return cls(ArcticSettings.of(main_config).client(str(handle["generation"])), dict(handle["jobs"]), settings)
+        arctic = ArcticSettings.for_run(main_config)
         server = None
-        if comms.get("launch"):
-            server = launch_server(str(comms["launch"]), str(comms["url"]), float(comms.get("startup_timeout_s", 300)))
+        if arctic.launch:
+            server = launch_server(arctic.launch, arctic.url, arctic.startup_timeout)
         try:
-            client = _client(settings, str(comms.get("api", "auto")))
+            client = arctic.client(arctic.api)
         except BaseException:
             if server is not None:
                 server.terminate()
             raise
         backend = cls(client, {}, settings, server)
         backend.record = os.path.join(str(main_config.trainer.default_local_dir), JOBS_FILE)
-        timeout = float(settings["comms"].get("job_ready_timeout_s", 1800))
+        timeout = arctic.job_ready_timeout
         try:
-            check_objective(as_dict(main_config.actor_rollout_ref.actor))
             clean_up_after_a_dead_run(client, backend.record)
             check_server_size(client, settings)
             bodies = job_configs(main_config, client.generation)
@@ -175,59 +210,30 @@ class ArcticBackend(RemoteBackend):
     @classmethod
     def preflight(cls, main_config: Any) -> None:
         """The service reachable and Arctic's, its protocol and GPUs as configured, the job configs valid."""
-        settings = as_dict(main_config.remote_backend)
-        check_objective(as_dict(main_config.actor_rollout_ref.actor))
-        comms = settings["comms"]
-        token = _token(comms)
-        url = str(comms["url"]).rstrip("/")
-        api = str(comms.get("api", "auto"))
-        if comms.get("launch"):
-            require_free_port(url)
-            job_configs(main_config, api if api != "auto" else "main")
+        arctic = ArcticSettings.for_run(main_config)
+        if arctic.launch:
+            require_free_port(arctic.url)
+            job_configs(main_config, arctic.api if arctic.api != "auto" else "main")
             return
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        timeout = float(comms.get("connect_timeout_s", 10))
         try:
-            response = httpx.get(f"{url}/health", timeout=timeout, headers=headers)
-        except httpx.HTTPError as exc:
-            raise ValueError(
-                f"remote_backend.comms.url={url}: nothing answers there ({exc}); start Arctic's RL server at that "
-                "address, or set remote_backend.comms.url to where it runs (remote_backend.comms.launch starts one "
-                "for the run)"
-            ) from exc
-        if response.status_code in (401, 403):
-            raise ValueError(
-                f"remote_backend.comms.url={url}: the server refused the credentials (HTTP {response.status_code}); "
-                "set remote_backend.comms.token_env to the environment variable holding a valid token"
-            )
-        try:
-            healthy = response.json() == {"status": "OK"}
-        except ValueError:
-            healthy = False
-        if not healthy:
-            raise ValueError(
-                f"remote_backend.comms.url={url}: GET /health answered HTTP {response.status_code} with "
-                f"{describe_answer(response)}, not Arctic's {{'status': 'OK'}}; "
-                "is an Arctic RL server at that address?"
-            )
-        try:
-            generation = probe_generation(url, timeout=timeout, headers=headers)
+            probe_health(arctic.url, timeout=arctic.connect_timeout, headers=arctic.headers)
+            generation = probe_generation(arctic.url, timeout=arctic.connect_timeout, headers=arctic.headers)
         except ArcticError as exc:
             raise ValueError(str(exc)) from exc
-        if api not in ("auto", generation):
+        if arctic.api not in ("auto", generation):
             raise ValueError(
-                f"remote_backend.comms.api={api}, but the Arctic server at {url} speaks protocol {generation}; "
-                f"set remote_backend.comms.api={generation} (or auto)"
+                f"remote_backend.comms.api={arctic.api}, but the Arctic server at {arctic.url} speaks protocol "
+                f"{generation}; set remote_backend.comms.api={generation} (or auto)"
             )
         if generation != "main" and resumes_from_checkpoint(main_config):
             raise ValueError(
-                f"Arctic protocol {generation} at {url} has no load-checkpoint call, so a run cannot resume on it "
-                f"(trainer.default_local_dir={main_config.trainer.default_local_dir} holds a checkpoint); resume "
+                f"Arctic protocol {generation} at {arctic.url} has no load-checkpoint call, so a run cannot resume on "
+                f"it (trainer.default_local_dir={main_config.trainer.default_local_dir} holds a checkpoint); resume "
                 "against a server that speaks the main protocol, or set trainer.resume_mode=disable to start over"
             )
-        client = ArcticClient(url, generation, token=token, connect_timeout=timeout, retries=0)
+        client = arctic.client(generation, retries=0)
         try:
-            check_server_size(client, settings)
+            check_server_size(client, as_dict(main_config.remote_backend))
         except ArcticError as exc:
             raise ValueError(str(exc)) from exc
         finally:

@@ -48,6 +48,36 @@ def describe_answer(response: httpx.Response) -> str:
     return detail if isinstance(detail, str) else str(detail)
 
 
+def probe_health(url: str, *, timeout: float = 10.0, headers: dict[str, str] | None = None) -> None:
+    """The server at ``url`` answers Arctic's ``GET /health`` with ``{"status": "OK"}`` and takes the credentials;
+    ``ArcticError`` naming the setting to change otherwise."""
+    base = url.rstrip("/")
+    try:
+        response = httpx.get(f"{base}/health", timeout=timeout, headers=headers)
+    except httpx.HTTPError as exc:
+        raise ArcticError(
+            f"remote_backend.comms.url={base}: nothing answers there ({exc}); start Arctic's RL server at that "
+            "address, or set remote_backend.comms.url to where it runs (remote_backend.comms.launch starts one "
+            "for the run)"
+        ) from exc
+    if response.status_code in (401, 403):
+        raise ArcticError(
+            f"remote_backend.comms.url={base}: the server refused the credentials (HTTP {response.status_code}); "
+            "set remote_backend.comms.token_env to the environment variable holding a valid token",
+            status=response.status_code,
+        )
+    try:
+        healthy = response.json() == {"status": "OK"}
+    except ValueError:
+        healthy = False
+    if not healthy:
+        raise ArcticError(
+            f"remote_backend.comms.url={base}: GET /health answered HTTP {response.status_code} with "
+            f"{describe_answer(response)}, not Arctic's {{'status': 'OK'}}; is an Arctic RL server at that address?",
+            status=response.status_code,
+        )
+
+
 def probe_generation(url: str, *, timeout: float = 10.0, headers: dict[str, str] | None = None) -> str:
     """Which protocol generation the server at ``url`` speaks, without side effects.
 

@@ -5,10 +5,15 @@ and these names are the stable API (docs/backend-author-guide.md, "What is stabl
 them are not. Finding installed backends is :mod:`verl_remote.discovery.registry`; checking one is
 :mod:`verl_remote.testing`.
 
-The tree has four rooms, each importing only the rooms below it (``nox -s lint`` enforces it):
+Its rooms, each importing only the rooms below it (the ``layers`` contract in pyproject.toml is the source;
+``nox -s lint`` enforces it, and a test holds this list and docs/architecture.md's to it):
 
 - ``cli``: the ``verl-remote`` command and the driver of a run;
+- ``testing``: the conformance kit (``verl-remote check``);
+- ``backends``: the embedded local backend, built on this face like any other;
+- ``demo``: the built-in demo's assets, and when a command is the demo;
 - ``integration``: the seams into verl (plugin, trainer, forwarder workers, rollout replica);
+- ``runtime``: what a run needs around verl (checkpoint records, the cluster's paths, the watchdog, the summary);
 - ``discovery``: backends, config groups and the composed config, found in any process;
 - ``kit``: the contract and helpers authors use, free of verl.
 
@@ -28,17 +33,18 @@ _EXPORTS = {
     # the contract
     "RemoteBackend": "verl_remote.kit.backend",
     "BackendSpec": "verl_remote.kit.spec",
-    "SpecError": "verl_remote.kit.spec",
+    "SpecError": "verl_remote.kit.errors",
     # the classes verl runs, to subclass (they import verl)
     "RemoteForwarderWorker": "verl_remote.integration.worker",
     "RemoteRolloutReplica": "verl_remote.integration.rollout",
     "RemoteRolloutServer": "verl_remote.integration.rollout",
-    "SampleResult": "verl_remote.integration.rollout",
-    "SamplingParams": "verl_remote.integration.rollout",
+    # one sampling request, handed to the rollout server's sample
+    "SampleResult": "verl_remote.kit.sampling",
+    "SamplingParams": "verl_remote.kit.sampling",
     # the run around the backend
     "as_dict": "verl_remote.kit.config",
     "overlapped": "verl_remote.kit.config",
-    "resumes_from_checkpoint": "verl_remote.integration.checkpoints",
+    "resumes_from_checkpoint": "verl_remote.runtime.checkpoints",
     # tensors on the wire
     "Packed": "verl_remote.kit.payload",
     "pack": "verl_remote.kit.payload",
@@ -52,7 +58,7 @@ _EXPORTS = {
     "sample_token": "verl_remote.kit.compute",
     # a Ray actor as the service
     "RayService": "verl_remote.kit.service",
-    "ServiceStartError": "verl_remote.kit.service",
+    "ServiceStartError": "verl_remote.kit.errors",
     "resources": "verl_remote.kit.service",
     # errors
     "BackendError": "verl_remote.kit.errors",
@@ -94,9 +100,20 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "unpack_like",
 ]
 
+#: How firm each name of ``__all__`` is (the author guide's "What is stable" shows the same, held by a test).
+#: "stable": not removed or changed incompatibly within a minor version, and a name that goes warns for one minor
+#: version first. "beta": may change in the next minor version, said in the CHANGELOG: verl's computations on the
+#: service side follow how verl's losses reach services (every policy loss, a gradient check), still settling.
+__stability__ = {
+    name: "beta"
+    if name in ("actor_loss", "response_index", "response_values", "sample_token", "overlapped")
+    else "stable"
+    for name in __all__
+    if name != "__version__"
+}
+
 if TYPE_CHECKING:
-    from verl_remote.integration.checkpoints import resumes_from_checkpoint
-    from verl_remote.integration.rollout import RemoteRolloutReplica, RemoteRolloutServer, SampleResult, SamplingParams
+    from verl_remote.integration.rollout import RemoteRolloutReplica, RemoteRolloutServer
     from verl_remote.integration.worker import RemoteForwarderWorker
     from verl_remote.kit.backend import RemoteBackend
     from verl_remote.kit.compute import actor_loss, response_index, response_values, sample_token
@@ -109,8 +126,10 @@ if TYPE_CHECKING:
         one_line,
     )
     from verl_remote.kit.payload import Packed, pack, pack_fields, to_nested, unpack_like
+    from verl_remote.kit.sampling import SampleResult, SamplingParams
     from verl_remote.kit.service import RayService, ServiceStartError, resources
     from verl_remote.kit.spec import BackendSpec, SpecError
+    from verl_remote.runtime.checkpoints import resumes_from_checkpoint
 
 
 def __getattr__(name: str) -> Any:

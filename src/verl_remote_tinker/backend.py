@@ -17,7 +17,16 @@ from typing import Any
 
 import httpx
 
-from verl_remote import RayService, RemoteBackend, ServiceStartError, as_dict, one_line, overlapped, resources
+from verl_remote import (
+    RayService,
+    RemoteBackend,
+    SamplingParams,
+    ServiceStartError,
+    as_dict,
+    one_line,
+    overlapped,
+    resources,
+)
 
 __all__ = ["TinkerBackend", "check_objective", "loss_reduction"]
 
@@ -114,13 +123,7 @@ class TinkerBackend(RemoteBackend):
     @classmethod
     def preflight(cls, main_config: Any) -> None:
         """The settings honoured, the service answering its health route; nothing is created."""
-        settings = as_dict(main_config.remote_backend)
-        _base_url(settings)
-        _lora_rank(settings)
-        check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
-        _reduction_setting(settings)
-        _snapshot_setting(settings)
-        _healthy(settings)
+        _healthy(_validated(main_config))
 
     @classmethod
     def cannot_overlap(cls, main_config: Any) -> str | None:
@@ -136,13 +139,9 @@ class TinkerBackend(RemoteBackend):
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> TinkerBackend:
         if handle is not None:
             return cls(RayService.from_handle(handle), str(handle["reduction"]))
-        import ray
 
-        settings = as_dict(main_config.remote_backend)
-        base_url = _base_url(settings)
-        rank = _lora_rank(settings)
-        actor = as_dict(main_config.actor_rollout_ref.actor)
-        check_objective(actor, as_dict(main_config.actor_rollout_ref.rollout))
+        settings = _validated(main_config)
+        base_url, rank, actor = _base_url(settings), _lora_rank(settings), as_dict(main_config.actor_rollout_ref.actor)
         _healthy(settings)
         reduction = loss_reduction(settings, timeout=float(settings.get("connect_timeout_s", 10)))
         base_model = str(settings.get("base_model") or main_config.actor_rollout_ref.model.path)
@@ -168,18 +167,16 @@ class TinkerBackend(RemoteBackend):
             raise RuntimeError(f"verl-remote-tinker: {exc}") from None
         backend = cls(service, reduction)
         try:
-            started = ray.get(backend.session.start.remote())
+            started = service.call("start")
         except Exception as exc:
             service.stop()
             if rank == 0:
                 raise RuntimeError(
                     f"verl-remote-tinker: remote_backend.lora_rank=0 asks for full fine-tuning, which the service "
-                    f"at {base_url} does not offer ({_cause(exc)}); set remote_backend.lora_rank to a LoRA rank it "
+                    f"at {base_url} does not offer ({_said(exc)}); set remote_backend.lora_rank to a LoRA rank it "
                     "serves (SkyRL's server: 1 to its --max-lora-rank, 32 by default)"
                 ) from None
-            raise RuntimeError(
-                f"verl-remote-tinker: the service at {base_url} refused the run: {_cause(exc)}"
-            ) from None
+            raise RuntimeError(f"verl-remote-tinker: the service at {base_url} refused the run: {_said(exc)}") from None
         log.info(
             "verl-remote-tinker: training %s (%s) as model %s on %s; loss reduction %s",
             base_model,
@@ -201,10 +198,10 @@ class TinkerBackend(RemoteBackend):
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def update_weights(self) -> None:
-        await _awaited(self.session.update_sampler.remote())
+        await self.service.call_async("update_sampler")
 
     async def save_checkpoint(self, step: int, path: str) -> None:
-        state = await _awaited(self.session.save.remote(f"verl-step-{step}"))
+        state = await self.service.call_async("save", f"verl-step-{step}")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, CHECKPOINT_FILE), "w") as f:
             json.dump({"step": step, **state}, f, indent=2)
@@ -218,10 +215,10 @@ class TinkerBackend(RemoteBackend):
             )
         with open(record) as f:
             state = json.load(f)
-        await _awaited(self.session.load.remote(state))
+        await self.service.call_async("load", state)
 
     async def service_waits(self) -> dict[str, float]:
-        return dict(await _awaited(self.session.waits.remote()))
+        return dict(await self.service.call_async("waits"))
 
     async def destroy(self) -> None:
         import ray
@@ -233,28 +230,34 @@ class TinkerBackend(RemoteBackend):
     # -- compute, used by this backend's worker and replica -------------------------------------
 
     def forward(self, rows: list[list[int]], *, update: bool = False) -> list[Any]:
-        return list(_get(self.session.forward.remote(rows, update=update)))
+        return list(self.service.call("forward", rows, update=update))
 
     def reference(self, rows: list[list[int]]) -> list[Any]:
-        return list(_get(self.session.reference.remote(rows)))
+        return list(self.service.call("reference", rows))
 
     def submit_forward_backward(self, datums: list[dict[str, Any]]) -> None:
-        _get(self.session.submit_forward_backward.remote(datums))
+        self.service.call("submit_forward_backward", datums)
 
     def optim_step(self) -> dict[str, float]:
-        return dict(_get(self.session.optim_step.remote()))
+        return dict(self.service.call("optim_step"))
 
     def end_of_step(self) -> float:
-        return float(_get(self.session.end_of_step.remote()))
+        return float(self.service.call("end_of_step"))
 
-    async def sample(self, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
-        import ray
+    async def sample(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+        return dict(await self.service.call_async("sample", prompt, params))
 
-        try:
-            result: dict[str, Any] = await self.session.sample.remote(prompt, max_tokens, params)
-        except ray.exceptions.RayTaskError as exc:
-            raise _cause_of(exc) from None
-        return result
+
+def _validated(main_config: Any) -> dict[str, Any]:
+    """``remote_backend`` as a dict, every setting and verl's objective checked: the one validation
+    :meth:`TinkerBackend.preflight` (before Ray) and :meth:`TinkerBackend.from_config` share."""
+    settings = as_dict(main_config.remote_backend)
+    _base_url(settings)
+    _lora_rank(settings)
+    check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
+    _reduction_setting(settings)
+    _snapshot_setting(settings)
+    return settings
 
 
 def _base_url(settings: dict[str, Any]) -> str:
@@ -306,31 +309,8 @@ def _healthy(settings: dict[str, Any]) -> None:
         )
 
 
-def _cause_of(exc: Any) -> BaseException:
-    """The session's own exception (a TinkerError: one line) out of Ray's wrapper, which carries a traceback."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, Exception) else exc
-
-
-def _get(ref: Any) -> Any:
-    import ray
-
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
-        raise _cause_of(exc) from None
-
-
-async def _awaited(ref: Any) -> Any:
-    import ray
-
-    try:
-        return await ref
-    except ray.exceptions.RayTaskError as exc:
-        raise _cause_of(exc) from None
-
-
-def _cause(exc: BaseException) -> str:
-    """The last line of a Ray task error: the service's own exception."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+def _said(exc: BaseException) -> str:
+    """What the service said, without the Python type of the session's own errors (a TinkerError's message is the
+    service's answer, in one line)."""
+    text = one_line(exc)
+    return text.split(": ", 1)[1] if type(exc).__name__ == "TinkerError" and ": " in text else text

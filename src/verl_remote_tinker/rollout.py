@@ -21,14 +21,7 @@ class TinkerRolloutServer(RemoteRolloutServer):
     backend: TinkerBackend
 
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        # A service may run on past a stop id it was not told of: the base server cuts after the first.
-        tinker_params = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "stop": list(params.stop_token_ids),
-        }
-        result = await self.backend.sample(prompt_ids, params.max_tokens, tinker_params)
+        result = await self.backend.sample(prompt_ids, params)
         return SampleResult(list(result["tokens"]), result["logprobs"], "completed")
 
 

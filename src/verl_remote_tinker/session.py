@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_remote import one_line
+from verl_remote import SamplingParams, one_line
 from verl_remote_tinker import sdk
 
 __all__ = [
@@ -279,7 +279,7 @@ class TinkerSession:
         if self.saving is not None:
             await asyncio.shield(self.saving)
 
-    async def sample(self, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any]:
+    async def sample(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
         """One response: its tokens, their log-probs and Tinker's stop reason ("stop" or "length").
 
         verl asks for ``rollout.n`` responses to a prompt as ``n`` requests sent together; requests for the same
@@ -287,7 +287,7 @@ class TinkerSession:
         ``num_samples`` (independent samples, as the API means it): on SkyRL's server 64 samples in one request
         take 0.4 s, in 64 requests 6.5 s (docs/measurements.md).
         """
-        key = (tuple(int(t) for t in prompt), int(max_tokens), _frozen(params))
+        key = (tuple(int(t) for t in prompt), params)
         waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting.setdefault(key, []).append(waiter)
         if self.flusher is None:
@@ -297,19 +297,25 @@ class TinkerSession:
     async def _flush_samples(self) -> None:
         await asyncio.sleep(COALESCE_S)
         waiting, self.waiting, self.flusher = self.waiting, {}, None
-        for (prompt, max_tokens, params), waiters in waiting.items():
-            self.sampling.add(
-                asyncio.ensure_future(self._sample_group(list(prompt), max_tokens, dict(params), waiters))
-            )
+        for (prompt, params), waiters in waiting.items():
+            self.sampling.add(asyncio.ensure_future(self._sample_group(list(prompt), params, waiters)))
 
     async def _sample_group(
-        self, prompt: list[int], max_tokens: int, params: dict[str, Any], waiters: list[asyncio.Future[Any]]
+        self, prompt: list[int], params: SamplingParams, waiters: list[asyncio.Future[Any]]
     ) -> None:
         from tinker import types
 
         try:
             await self._saved()
-            sampling = types.SamplingParams(max_tokens=max_tokens, **params)
+            # Tinker's SamplingParams: verl's temperature (0: greedy), top-p and top-k, and the stop ids (the
+            # model's EOS and any the agent loop adds); a service may run on past one, and the replica cuts there.
+            sampling = types.SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                stop=list(params.stop_token_ids),
+            )
             response = await self._call(
                 "sample",
                 sdk.requested(self.sampler, "sample", types.ModelInput.from_ints(prompt), len(waiters), sampling),
@@ -475,11 +481,6 @@ def retries(settings: dict[str, Any]) -> int:
     cap = settings.get("max_retries")
     fits = int(float(settings["timeout_s"]) // 10) + 3
     return fits if cap is None else min(int(cap), fits)
-
-
-def _frozen(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """Sampling parameters as a hashable key (lists become tuples)."""
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
 
 
 def adam_params(optim: dict[str, Any]) -> dict[str, float]:

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT
 from verl_remote.discovery.compose import compose_config
-from verl_remote.integration.summary import RunSummary
 from verl_remote.kit.compute import actor_loss
+from verl_remote.runtime.summary import RunSummary
 from verl_remote_tinker.backend import TinkerBackend, check_objective, loss_reduction
 from verl_remote_tinker.session import SDK_RANGE, WaitClock, adam_params, lr_schedule
 from verl_remote_tinker.worker import linearised_datums

@@ -37,6 +37,7 @@ from conftest import (
     train,
     two_turn,
 )
+from verl_remote import SamplingParams
 from verl_remote.demo import resolve_demo_assets
 from verl_remote.discovery.compose import compose_config
 from verl_remote.kit.compute import actor_loss
@@ -231,7 +232,7 @@ def test_a_rate_limit_and_a_paused_queue_are_waited_out_with_one_line_each_until
         try:
             proxy.inject(Fault("/api/v1/asample", 429, times=3, headers={"Retry-After": "1"}, body=limited))
             began = time.monotonic()
-            answer = await session.sample([3, 4, 5], 4, {"temperature": 1.0})
+            answer = await session.sample([3, 4, 5], SamplingParams(max_tokens=4))
             assert len(answer["tokens"]) == 4 and time.monotonic() - began >= 3  # three waits of Retry-After's 1 s
             assert len(said) == 1, said
             assert said[0] == (
@@ -249,7 +250,7 @@ def test_a_rate_limit_and_a_paused_queue_are_waited_out_with_one_line_each_until
             proxy.inject(Fault("/api/v1/asample", 429, times=10**6, headers={"Retry-After": "1"}, body=limited))
             began = time.monotonic()
             with pytest.raises(TinkerError, match=r"Tinker call sample .*: no answer within 5 s"):
-                await session.sample([3, 4, 6], 4, {"temperature": 1.0})
+                await session.sample([3, 4, 6], SamplingParams(max_tokens=4))
             assert 5 <= time.monotonic() - began < 15
             assert len(said) == 3, said
             proxy.faults.clear()

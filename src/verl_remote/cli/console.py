@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from verl_remote.runtime.summary import REWARD_METRIC
+
 __all__ = [
     "VERBOSE_ENV",
     "Console",
@@ -108,7 +110,7 @@ def duration(seconds: float) -> str:
 
 #: (label, verl's metric, format) of the step line, in order; a metric a step did not report is left out.
 STEP_FIELDS = (
-    ("reward", "critic/score/mean", "{:.3f}"),
+    ("reward", REWARD_METRIC, "{:.3f}"),
     ("len", "response_length/mean", "{:.1f}"),
     ("loss", "actor/pg_loss", "{:.3g}"),
     ("grad", "actor/grad_norm", "{:.3g}"),
@@ -340,8 +342,8 @@ class Console:
         self._steps_shown.add((step, training))
         left_s = None
         if training:
-            if "critic/score/mean" in metrics:
-                self.rewards.append((step, metrics["critic/score/mean"]))
+            if REWARD_METRIC in metrics:
+                self.rewards.append((step, metrics[REWARD_METRIC]))
             self._step_times.append((step, self.clock()))
             (first, began), (last, ended) = self._step_times[0], self._step_times[-1]
             # Seconds per step as the run goes (validations and checkpoints included), from the second step on:

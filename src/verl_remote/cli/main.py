@@ -107,12 +107,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     mixed = check_inputs(composed, defaults if recipe is None else None)
     check_run_folder_free(str(composed.trainer.default_local_dir))  # likewise, a run in the folder
     config = prepare_config(composed)
-    name = str(config.remote_backend.name)
-    assert defaults is not None
-    backend = load_backend_class(name)
-    for note in mixed + run_preflight(
-        config, defaults, backend.preflight, single_forwarder=backend.requires_single_forwarder()
-    ):
+    backend = load_backend_class(str(config.remote_backend.name))
+    for note in mixed + run_preflight(config, backend.preflight, single_forwarder=backend.requires_single_forwarder()):
         print(f"verl-remote: {note}", flush=True)
     folder = str(config.trainer.default_local_dir)
     with hold_run_folder(folder):  # another run there: exit 2
@@ -155,8 +151,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 def _report_end(console: Console, config: Any) -> None:
     """Before the last line of a run that did not finish: its steps' rewards as far as it came, what was not shown,
     and where it can resume."""
-    from verl_remote.integration.checkpoints import complete_steps
-    from verl_remote.integration.summary import RunSummary
+    from verl_remote.runtime.checkpoints import complete_steps
+    from verl_remote.runtime.summary import RunSummary
 
     if console.rewards:
         summary = RunSummary([reward for _, reward in console.rewards], first_step=console.rewards[0][0])
@@ -204,7 +200,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from verl_remote.discovery.registry import get_backend_spec
-    from verl_remote.integration.watchdog import start_watchdog
+    from verl_remote.runtime.watchdog import start_watchdog
     from verl_remote.testing import check_backend
 
     get_backend_spec(args.name)  # an unknown name: exit 2 with the installed ones

@@ -211,12 +211,12 @@ def check_output(config: DictConfig) -> None:
 
 
 def check_resume(config: DictConfig) -> list[str]:
-    """The checkpoint a resume would load is there and complete (:mod:`verl_remote.integration.checkpoints`).
+    """The checkpoint a resume would load is there and complete (:mod:`verl_remote.runtime.checkpoints`).
 
     With ``resume_mode=auto`` a damaged or cut-short latest checkpoint is passed over for the newest complete
     one (the note says which and why); with ``resume_path`` it is refused, naming the file.
     """
-    from verl_remote.integration.checkpoints import check, complete_steps, resume_target
+    from verl_remote.runtime.checkpoints import check, complete_steps, resume_target
 
     trainer = config.trainer
     mode = str(trainer.get("resume_mode", "auto"))
@@ -257,26 +257,21 @@ def check_resume(config: DictConfig) -> list[str]:
 
 def check_layout(config: DictConfig, name: str, single_forwarder: bool) -> None:
     """A backend that needs every call from one forwarder (``requires_single_forwarder``) gets one."""
-    forwarders = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    if single_forwarder and forwarders != 1:
-        raise PreflightError(
-            f"backend '{name}' needs exactly one forwarder worker, but trainer.n_gpus_per_node * trainer.nnodes = "
-            f"{forwarders}: set trainer.n_gpus_per_node=1 trainer.nnodes=1"
-        )
+    from verl_remote.runtime.layout import single_forwarder_problem
+
+    if problem := single_forwarder_problem(config, name, single_forwarder):
+        raise PreflightError(problem)
 
 
 def run_preflight(
     config: DictConfig,
-    defaults: DictConfig,
     backend_preflight: Callable[[DictConfig], None] | None = None,
     *,
     single_forwarder: bool = False,
 ) -> list[str]:
-    """Every check, the backend's last; the notes worth printing. Raises :class:`PreflightError`.
-
-    The numbers (:func:`check_numbers`) are checked again here; the CLI checks them first, before the config
-    is prepared (the demo's files made)."""
-    check_numbers(config, defaults)
+    """Every check of the prepared config (the demo's files made, paths absolute), the backend's last; the notes
+    worth printing. Raises :class:`PreflightError`. The numbers (:func:`check_numbers`) are not among them: the CLI
+    checks them once, before the config is prepared, so that a refused run makes nothing."""
     check_data(config)
     notes = check_model(config)
     check_output(config)

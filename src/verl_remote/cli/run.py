@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_remote.demo import resolve_demo_assets
 from verl_remote.discovery.compose import ConfigError
-from verl_remote.integration.summary import RunSummary
+from verl_remote.runtime.summary import RunSummary
 
 __all__ = [
     "RunFolderBusy",
@@ -206,7 +206,7 @@ def _ray_init(config: DictConfig) -> None:
 
 def run(config: DictConfig) -> RunSummary:
     """Run training to the end; the backend is destroyed on every way out."""
-    from verl_remote.integration.watchdog import start_watchdog
+    from verl_remote.runtime.watchdog import start_watchdog
 
     # Ends what is left of the run once this process is gone, however it goes (SIGKILL included).
     watchdog = start_watchdog()
@@ -220,9 +220,9 @@ def _run(config: DictConfig) -> RunSummary:
     import ray
 
     from verl_remote.discovery.compat import UnsupportedVerlError
-    from verl_remote.integration.cluster import check_cluster_paths
     from verl_remote.integration.seams import verl_problem
     from verl_remote.integration.trainer import RemoteTaskRunner
+    from verl_remote.runtime.cluster import check_cluster_paths
 
     # verl's V1 trainer, whose modules the import above loaded: a verl in range that switched it off or moved its
     # names is named in one line, before Ray starts.

@@ -15,6 +15,8 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from verl_remote.kit.errors import UnsupportedVerlError
+
 __all__ = [
     "SUPPORTED_VERL",
     "UnsupportedVerlError",
@@ -25,10 +27,6 @@ __all__ = [
 
 #: The verl releases verl-remote is built and tested against.
 SUPPORTED_VERL = SpecifierSet(">=0.9.1,<0.10")
-
-
-class UnsupportedVerlError(RuntimeError):
-    """The installed verl is missing or outside :data:`SUPPORTED_VERL`."""
 
 
 def verl_version_problem() -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_remote.discovery.registry import get_backend_spec
+from verl_remote.kit.errors import ConfigError
 
 __all__ = [
     "BUILTIN_RECIPES",
@@ -66,10 +67,6 @@ def _search_path() -> list[str]:
     and a recipe includes verl_remote.yaml, so it is given as an override. Backends' groups come from the Hydra
     search path plugin."""
     return [f"pkg://{CONFIG_MODULE}", f"file://{verl_config_dir()}"]
-
-
-class ConfigError(ValueError):
-    """The overrides or the recipe do not compose into a config."""
 
 
 def _override_backend(overrides: Sequence[str]) -> str | None:

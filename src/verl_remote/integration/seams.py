@@ -86,7 +86,11 @@ SEAMS: tuple[Seam, ...] = (
     ),
     # The TaskRunner: RemoteTaskRunner subclasses the Ray actor's class.
     Seam("verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__", "RemoteTaskRunner's base"),
-    Seam("verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__.run", "the run, then the summary", ("self", "config")),
+    Seam(
+        "verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__.run",
+        "the run, then the summary; it builds the trainer in the calling thread (LAUNCHER)",
+        ("self", "config"),
+    ),
     Seam(
         "verl.single_controller.ray.base:ResourcePoolManager.create_resource_pool",
         "CPU-only bundles",

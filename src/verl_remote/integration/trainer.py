@@ -46,6 +46,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any
 
 import ray
@@ -57,12 +58,13 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_remote.discovery.registry import load_backend_class, load_worker_class
-from verl_remote.integration.checkpoints import resume_target, seal
 from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
-from verl_remote.integration.summary import RunSummary
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
+from verl_remote.runtime.checkpoints import resume_target, seal
+from verl_remote.runtime.layout import single_forwarder_problem
+from verl_remote.runtime.summary import REWARD_METRIC, RunSummary
 
 __all__ = [
     "ASYNC_MODE",
@@ -77,10 +79,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Sections of the run config that forwarders and replicas receive, besides
-# actor_rollout_ref which verl already gives them.
-# The per-step metric the run summary reports (verl's mean sequence score).
-REWARD_METRIC = "critic/score/mean"
+#: Who launched the run whose trainer is built in this context: "cli" (``verl-remote train``, through
+#: :class:`RemoteTaskRunner`) or "verl" (verl's own launcher, ``python -m verl.trainer.main_ppo``, or ``ray job
+#: submit`` of it). Set by the runner around verl's ``run``, which builds the trainer in the same thread.
+LAUNCHER: ContextVar[str] = ContextVar("verl_remote_launcher", default="verl")
 
 #: Seconds an overlapped run waits, once its last step is done, for the samples still in flight (the next step's,
 #: which no step will train on) before it destroys the backend: a service is not torn down under its requests.
@@ -120,20 +122,23 @@ class RemotePPOTrainer(PPOTrainerSync):
     """verl's sync trainer driving a :class:`~verl_remote.RemoteBackend`; with ``trainer_mode=remote_async``, on
     verl's asynchronous replay buffer, sampling the next step while this one trains (:attr:`overlap`)."""
 
-    #: Check that every cluster node sees the run's paths (verl's own launcher); ``verl-remote train`` checks in
-    #: its driver, before the TaskRunner starts.
-    check_paths = True
-
     def __init__(self, config: DictConfig) -> None:
-        if self.check_paths:
-            from verl_remote.integration.cluster import check_cluster_paths
-
-            check_cluster_paths(config)
+        #: Whether ``verl-remote train`` launched the run (its TaskRunner), which checked the layout and the
+        #: cluster's paths before Ray started and prints the summary itself; else verl's own launcher did.
+        self.launched_by_cli = LAUNCHER.get() == "cli"
         self.backend_name = str(config.remote_backend.name)
         self.summary = RunSummary()
         self._destroy_lock = threading.Lock()
         self._destroyed = False
         backend_class = load_backend_class(self.backend_name)
+        if not self.launched_by_cli:
+            from verl_remote.runtime.cluster import check_cluster_paths
+
+            if problem := single_forwarder_problem(
+                config, self.backend_name, backend_class.requires_single_forwarder()
+            ):
+                raise SingleForwarderError(problem)
+            check_cluster_paths(config)
         self.overlap = str(config.trainer.v1.trainer_mode) == ASYNC_MODE
         if self.overlap and (reason := backend_class.cannot_overlap(config)):
             print(
@@ -150,21 +155,11 @@ class RemotePPOTrainer(PPOTrainerSync):
         self._syncer: ThreadPoolExecutor | None = None
         self.backend: RemoteBackend = backend_class.from_config(config)
         try:
-            forwarders = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-            if self.backend.requires_single_forwarder() and forwarders != 1:
-                raise SingleForwarderError(
-                    f"backend '{self.backend_name}' needs exactly one forwarder worker, but "
-                    f"trainer.n_gpus_per_node * trainer.nnodes = {forwarders}: "
-                    "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
-                )
             attach_handoff(config, self.backend_name, self.backend.reconnect_handle())
             super().__init__(config)
         except BaseException:
             self.destroy_backend()
             raise
-
-    #: Print the run summary at the end of ``fit`` (verl's own launcher); ``verl-remote train`` prints it itself.
-    print_summary = True
 
     #: Seconds between verl's checks that a step's samples are in. verl's replay buffer waits 2 s between
     #: checks, so every step's generation took a multiple of 2 s however fast the service sampled
@@ -193,7 +188,7 @@ class RemotePPOTrainer(PPOTrainerSync):
                 self._drain_rollouts()
         finally:
             self.destroy_backend()
-            if self.print_summary:
+            if not self.launched_by_cli:  # verl-remote train prints the summary it is returned, after Ray's output
                 if waits := self.summary.waits_line():
                     print(waits, flush=True)
                 print(self.summary.line(), flush=True)
@@ -216,7 +211,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         )
 
     def _save_checkpoint(self) -> None:
-        """verl's save, then the completion record that makes it count (:mod:`verl_remote.integration.checkpoints`)."""
+        """verl's save, then the completion record that makes it count (:mod:`verl_remote.runtime.checkpoints`)."""
         self._stop_if_destroyed()
         self._wait_for_sync()
         super()._save_checkpoint()
@@ -405,11 +400,11 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """
 
     def run(self, config: DictConfig) -> RunSummary:
-        RemotePPOTrainer.print_summary = False  # the CLI prints it, after Ray's output
-        RemotePPOTrainer.check_paths = False  # the CLI has checked them
+        launched = LAUNCHER.set("cli")  # for the trainer verl builds in this call (this thread's context)
         try:
             super().run(config)
         finally:
+            LAUNCHER.reset(launched)
             self.destroy_backend()
         return self.trainer.summary if isinstance(self.trainer, RemotePPOTrainer) else RunSummary()
 

@@ -18,6 +18,9 @@ process, find it by name; ``destroy`` kills it. :class:`RayService` is that, onc
         def reconnect_handle(self):
             return self.service.handle()
 
+        async def update_weights(self):
+            await self.service.call_async("update_weights")   # the engine's own exception, not Ray's wrapper
+
         async def destroy(self):
             self.service.stop()
 
@@ -34,14 +37,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_remote.kit.errors import ServiceStartError, root_cause
+
 __all__ = ["RayService", "ServiceStartError", "resources"]
 
 #: How long :meth:`RayService.start` waits for the service's constructor.
 START_TIMEOUT_S = 600.0
-
-
-class ServiceStartError(RuntimeError):
-    """The service's constructor raised; the message ends with its exception, as ``Type: message``."""
 
 
 def resources(settings: Any) -> dict[str, float]:
@@ -124,6 +125,26 @@ class RayService:
             ) from None
         object.__setattr__(self, "_handle", handle)
         return handle
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` on the service, waited for. What the service raised is raised here as it
+        is (a ``ValueError`` of the engine stays a ``ValueError``), not inside Ray's ``RayTaskError``; a service
+        that died raises Ray's ``RayActorError``."""
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor(), method).remote(*args, **kwargs))
+        except ray.exceptions.RayTaskError as exc:
+            raise root_cause(exc) from None
+
+    async def call_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` for a coroutine (a rollout server's, a lifecycle method's): awaits instead of blocking."""
+        import ray
+
+        try:
+            return await getattr(self.actor(), method).remote(*args, **kwargs)
+        except ray.exceptions.RayTaskError as exc:
+            raise root_cause(exc) from None
 
     def stop(self) -> None:
         """Kill the actor; nothing happens when it is gone already (``destroy`` must be idempotent)."""

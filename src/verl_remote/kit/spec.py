@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from verl_remote.kit.errors import BackendImportError, one_line
+from verl_remote.kit.errors import SpecError, one_line
 
 __all__ = ["BackendSpec", "SpecError", "import_string"]
 
@@ -21,10 +21,6 @@ __all__ = ["BackendSpec", "SpecError", "import_string"]
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _IMPORT_STRING = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$")
-
-
-class SpecError(BackendImportError, ValueError):
-    """A spec, or one of the objects it names, is malformed or cannot be imported."""
 
 
 def import_string(target: str) -> Any:

@@ -1,10 +1,13 @@
-"""Conformance checks for any installed backend: ``verl-remote check NAME`` or, in a backend's own tests::
+"""Conformance checks for any installed backend: ``verl-remote check NAME`` or, in a backend's own tests, one
+test per check (:func:`parametrize_checks`)::
 
-    from verl_remote.testing import check_backend
+    from verl_remote.testing import parametrize_checks
 
-    def test_my_backend_conforms():
-        results = check_backend("my", ["remote_backend.url=http://127.0.0.1:8000"])
-        assert all(r.ok for r in results), "\\n".join(r.line() for r in results if not r.ok)
+    @parametrize_checks("my", ["remote_backend.url=http://127.0.0.1:8000"])
+    def test_my_backend(check):
+        check()
+
+or all of them in one test: ``check_backend("my", [...])`` returns every check's :class:`CheckResult`.
 
 Each check drives the backend the way a training run does (a forwarder worker and a rollout server in their own
 Ray processes, re-attached through the reconnect handle) but without verl's trainer, on a Ray instance of its
@@ -13,11 +16,12 @@ own, in seconds to a minute on a CPU with the demo's tiny model. See docs/backen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from verl_remote.testing.checks import CHECKS, CheckResult, Conformance
+from verl_remote.testing.items import ConformanceCheck, parametrize_checks
 
-__all__ = ["CHECKS", "CheckResult", "Conformance", "check_backend"]
+__all__ = ["CHECKS", "CheckResult", "Conformance", "ConformanceCheck", "check_backend", "parametrize_checks"]
 
 
 def check_backend(
@@ -26,8 +30,10 @@ def check_backend(
     *,
     on_result: Callable[[CheckResult], None] | None = None,
     atol: float | None = None,
+    expected_failures: Collection[str] = (),
 ) -> list[CheckResult]:
-    """Run every check against backend ``name`` (config ``remote_backend=name`` plus ``overrides``).
+    """Run every check against backend ``name`` (config ``remote_backend=name`` plus ``overrides``). A check
+    named in ``expected_failures`` that fails does not stop the checks after it.
 
     Starts a Ray instance of its own (8 logical CPUs, like a run) unless Ray is running in this process, and
     stops it after; the backend is destroyed however the checks end.
@@ -42,7 +48,7 @@ def check_backend(
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     conformance = Conformance(name, tuple(overrides), **({"atol": atol} if atol is not None else {}))
     try:
-        return conformance.run(on_result)
+        return conformance.run(on_result, expected_failures=frozenset(expected_failures))
     finally:
         conformance.close()
         if started:

@@ -376,7 +376,7 @@ class Conformance:
         before = self._log_probs(rows, [len(r) for r in responses])
         fields, meta = self._mini_batch(rows, responses, before)
         metrics = ray.get(self.state.worker.forward_backward.remote(fields, meta), timeout=600)
-        _expect("loss" in metrics, f"forward_backward returned {sorted(metrics)}", "return at least 'loss'")
+        _expect(isinstance(metrics, dict), f"forward_backward returned {type(metrics).__name__}", "return a dict")
         step = ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
         for key in ("grad_norm", "lr"):
             _expect(key in step, f"optimizer_step returned {sorted(step)}", "return at least 'grad_norm' and 'lr'")
@@ -386,7 +386,12 @@ class Conformance:
         after = self._log_probs(rows, [len(r) for r in responses])
         change = float(np.abs(after - before).max())
         _expect(change > 0, "the log-probs are the same after an optimizer step", "apply the gradients")
-        return f"loss {metrics['loss']:.4g}, grad_norm {step['grad_norm']:.4g}, lr {step['lr']:.3g}"
+        # verl reads no metric of forward_backward's by name (it logs them all): a missing 'loss' is a note.
+        loss = next(
+            (f"{key} {metrics[key]:.4g}, " for key in ("loss", "actor/pg_loss", "pg_loss") if key in metrics), ""
+        )
+        note = "" if "loss" in metrics else f"; no 'loss' among its {len(metrics)} metrics, which verl does not need"
+        return f"{loss}grad_norm {step['grad_norm']:.4g}, lr {step['lr']:.3g}{note}"
 
     def check_weight_sync(self) -> str:
         """weight sync: after update_weights the sampler's log-probs equal the trainer's for the same tokens."""
@@ -552,7 +557,11 @@ class Conformance:
 
     # -- running ----------------------------------------------------------------------------------------
 
-    def run(self, on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
+    def run(
+        self, on_result: Callable[[CheckResult], None] | None = None, *, expected_failures: frozenset[str] = frozenset()
+    ) -> list[CheckResult]:
+        """Every check in order; after one fails, the rest but ``destroy`` are skipped, unless it is one of
+        ``expected_failures`` (declared by the backend's author: the checks after it run)."""
         results: list[CheckResult] = []
         failed = False
         for label, method in CHECKS:
@@ -570,9 +579,9 @@ class Conformance:
                 except Exception as exc:
                     from verl_remote.kit.errors import one_line
 
-                    result = CheckResult(label, ok=False, detail=one_line(_root(exc)))
+                    result = CheckResult(label, ok=False, detail=one_line(exc))
                 result.seconds = time.monotonic() - start
-                failed = failed or not result.ok
+                failed = failed or (not result.ok and label not in expected_failures)
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -608,17 +617,11 @@ CHECKS: list[tuple[str, str]] = [
 ]
 
 
-def _root(exc: BaseException) -> BaseException:
-    while isinstance(getattr(exc, "cause", None), BaseException) and exc.cause is not exc:  # type: ignore[attr-defined]
-        exc = exc.cause  # type: ignore[attr-defined]
-    return exc
-
-
 def _children() -> dict[int, str]:
     """This process's descendants: pid -> command line."""
     from pathlib import Path
 
-    from verl_remote.integration.watchdog import descendants
+    from verl_remote.runtime.watchdog import descendants
 
     found = {}
     for pid, _start in descendants({os.getpid()}):

@@ -83,7 +83,7 @@ class ServerHost:
     async def sample(
         self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any], stop_token_ids: list[int] | None
     ) -> dict[str, Any]:
-        from verl_remote.integration.rollout import SamplingParams
+        from verl_remote.kit.sampling import SamplingParams
 
         stops = self.eos if stop_token_ids is None else list(stop_token_ids)
         params = SamplingParams.from_verl(dict(sampling_params), max_tokens=int(max_tokens), stop_token_ids=stops)

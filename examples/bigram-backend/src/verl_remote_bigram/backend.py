@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
 from omegaconf import OmegaConf
 
 from verl_remote import (
@@ -27,7 +26,7 @@ FIELDS = ("input_ids", "prompts", "responses", "response_mask", "old_log_probs",
 
 class BigramBackend(RemoteBackend):
     def __init__(self, service: RayService) -> None:
-        self.service, self.model = service, service.actor()
+        self.service = service  # service.call / call_async run its methods, raising its own exceptions
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> BigramBackend:
@@ -48,13 +47,13 @@ class BigramBackend(RemoteBackend):
         return True  # one service, one optimizer: one caller per step
 
     async def update_weights(self) -> None:
-        await self.model.publish.remote()
+        await self.service.call_async("publish")
 
     async def save_checkpoint(self, step: int, path: str) -> None:
-        await self.model.save.remote(path)
+        await self.service.call_async("save", path)
 
     async def load_checkpoint(self, step: int, path: str) -> None:
-        await self.model.load.remote(path)
+        await self.service.call_async("load", path)
 
     async def destroy(self) -> None:
         self.service.stop()
@@ -63,30 +62,29 @@ class BigramBackend(RemoteBackend):
 class BigramWorker(RemoteForwarderWorker):
     def backend_log_probs(self, data: Any, *, temperature: float, calculate_entropy: bool, reference: bool) -> Any:
         ids = pack(data["input_ids"])
-        out = ray.get(self.backend.model.log_probs.remote(ids, temperature, reference))
+        out = self.backend.service.call("log_probs", ids, temperature, reference)
         return unpack_like(out["log_probs"], ids), unpack_like(out["entropy"], ids)
 
     def backend_forward_backward(self, mini_batch: Any, meta: dict[str, Any]) -> dict[str, float]:
-        return ray.get(self.backend.model.forward_backward.remote(pack_fields(mini_batch, FIELDS), meta))
+        return self.backend.service.call("forward_backward", pack_fields(mini_batch, FIELDS), meta)
 
     def backend_optimizer_step(self) -> dict[str, float]:
-        return ray.get(self.backend.model.optimizer_step.remote())
+        return self.backend.service.call("optimizer_step")
 
     def backend_device_name(self) -> str:
         return "CPU"
 
     def backend_flops(self, seqlens: list[int]) -> float:
-        return ray.get(self.backend.model.flops.remote(seqlens))
+        return self.backend.service.call("flops", seqlens)
 
 
 class BigramServer(RemoteRolloutServer):
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         if params.top_p < 1.0 or params.top_k > 0:
             raise ValueError("the bigram example samples the full distribution: set rollout top_p=1 and top_k=-1")
-        call = self.backend.model.sample.remote(
-            prompt_ids, params.max_tokens, params.temperature, list(params.stop_token_ids)
+        tokens, log_probs = await self.backend.service.call_async(
+            "sample", prompt_ids, params.max_tokens, params.temperature, list(params.stop_token_ids)
         )
-        tokens, log_probs = await call
         return SampleResult(tokens, log_probs)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
-from verl_remote import Packed, RayService, RemoteBackend, overlapped, resources
+from verl_remote import Packed, RayService, RemoteBackend, SamplingParams, overlapped, resources
 from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest
 from verl_remote.backends.local.vllm_sampler import resolve_sampler, vllm_model_problem
 
@@ -120,13 +120,13 @@ class LocalBackend(RemoteBackend):
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def update_weights(self) -> None:
-        await self.engine.update_weights.remote()
+        await self.service.call_async("update_weights")
 
     async def save_checkpoint(self, step: int, path: str) -> None:
-        await self.engine.save.remote(os.path.join(path, CHECKPOINT_SUBDIR))
+        await self.service.call_async("save", os.path.join(path, CHECKPOINT_SUBDIR))
 
     async def load_checkpoint(self, step: int, path: str) -> None:
-        await self.engine.load.remote(os.path.join(path, CHECKPOINT_SUBDIR))
+        await self.service.call_async("load", os.path.join(path, CHECKPOINT_SUBDIR))
 
     async def destroy(self) -> None:
         # vLLM's engine processes end with a word from the actor; a dead actor took them with it.
@@ -139,22 +139,22 @@ class LocalBackend(RemoteBackend):
     def compute_log_prob(
         self, input_ids: Packed, *, temperature: float, calculate_entropy: bool, reference: bool
     ) -> dict[str, Any]:
-        return dict(ray.get(self.engine.compute_log_prob.remote(input_ids, temperature, calculate_entropy, reference)))
+        return dict(self.service.call("compute_log_prob", input_ids, temperature, calculate_entropy, reference))
 
     def forward_backward(self, batch: dict[str, Packed], meta: dict[str, Any]) -> dict[str, float]:
-        return dict(ray.get(self.engine.forward_backward.remote(batch, meta)))
+        return dict(self.service.call("forward_backward", batch, meta))
 
     def optimizer_step(self) -> dict[str, float]:
-        return dict(ray.get(self.engine.optimizer_step.remote()))
+        return dict(self.service.call("optimizer_step"))
 
     def lr_scheduler_step(self) -> float:
-        return float(ray.get(self.engine.lr_scheduler_step.remote()))
+        return float(self.service.call("lr_scheduler_step"))
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any]) -> GenerateResult:
-        return await self.batches.submit(SampleRequest(prompt_ids, max_tokens, **params))
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateResult:
+        return await self.batches.submit(SampleRequest(prompt_ids, params))
 
     def device_name(self) -> str:
-        return str(ray.get(self.engine.device_name.remote()))
+        return str(self.service.call("device_name"))
 
     def weights_checksum(self) -> str:
-        return str(ray.get(self.engine.weights_checksum.remote()))
+        return str(self.service.call("weights_checksum"))

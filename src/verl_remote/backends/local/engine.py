@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verl_remote import Packed, sample_token, to_nested
+from verl_remote import Packed, SamplingParams, sample_token, to_nested
 
 if TYPE_CHECKING:
     from verl_remote.backends.local.vllm_sampler import VllmSampler
@@ -41,15 +41,10 @@ CHECKPOINT_FILE = "local_engine.pt"
 
 @dataclass
 class SampleRequest:
-    """One prompt to sample a response for, with verl's sampling parameters for it."""
+    """One prompt to sample a response for, with verl's sampling parameters for it, as the replica parsed them."""
 
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    logprobs: bool
-    stop_token_ids: list[int]
+    params: SamplingParams
 
 
 @dataclass
@@ -260,7 +255,7 @@ class LocalEngine:
             ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
             tokens: list[list[int]] = [[] for _ in requests]
             token_log_probs: list[list[float]] = [[] for _ in requests]
-            done = [r.max_tokens <= 0 for r in requests]
+            done = [r.params.max_tokens <= 0 for r in requests]
             past = None
             while not all(done):
                 out = model(
@@ -272,18 +267,20 @@ class LocalEngine:
                 for row, request in enumerate(requests):
                     if done[row]:
                         continue
-                    token, lp = sample_token(logits[row], request.temperature, request.top_p, request.top_k)
+                    token, lp = sample_token(
+                        logits[row], request.params.temperature, request.params.top_p, request.params.top_k
+                    )
                     tokens[row].append(token)
                     token_log_probs[row].append(lp)
                     next_ids[row, 0] = token
-                    done[row] = token in request.stop_token_ids or len(tokens[row]) >= request.max_tokens
+                    done[row] = token in request.params.stop_token_ids or len(tokens[row]) >= request.params.max_tokens
                 ids = next_ids.to(self.device)
                 mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=self.device)], dim=1)
                 positions = positions[:, -1:] + 1
         finally:
             self.model.train()  # the snapshot, when sampling has its own, stays in eval mode
         return [
-            GenerateResult(row, lps if request.logprobs else None, "completed", self.weights_version)
+            GenerateResult(row, lps if request.params.logprobs else None, "completed", self.weights_version)
             for row, lps, request in zip(tokens, token_log_probs, requests, strict=True)
         ]
 

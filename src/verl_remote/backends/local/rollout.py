@@ -14,14 +14,7 @@ class LocalRolloutServer(RemoteRolloutServer):
     backend: LocalBackend
 
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        engine_params = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "logprobs": params.logprobs,
-            "stop_token_ids": list(params.stop_token_ids),
-        }
-        result = await self.backend.generate(prompt_ids, params.max_tokens, engine_params)
+        result = await self.backend.generate(prompt_ids, params)
         return SampleResult(result.token_ids, result.log_probs, result.stop_reason)
 
 

@@ -199,14 +199,14 @@ class VllmSampler:
         params = [
             SamplingParams(
                 n=1,
-                max_tokens=max(int(r.max_tokens), 1),
-                temperature=float(r.temperature),
-                top_p=float(r.top_p),
-                top_k=int(r.top_k) if r.top_k and r.top_k > 0 else 0,
+                max_tokens=max(r.params.max_tokens, 1),
+                temperature=r.params.temperature,
+                top_p=r.params.top_p,
+                top_k=max(r.params.top_k, 0),
                 # The response ends at the first of the replica's stop ids, as verl's rollout ends it at EOS.
-                stop_token_ids=list(r.stop_token_ids),
+                stop_token_ids=list(r.params.stop_token_ids),
                 ignore_eos=True,
-                logprobs=0 if r.logprobs else None,
+                logprobs=0 if r.params.logprobs else None,
                 detokenize=False,
             )
             for r in requests
@@ -215,9 +215,9 @@ class VllmSampler:
         results = []
         for request, output in zip(requests, outputs, strict=True):
             completion = output.outputs[0]
-            tokens = [] if request.max_tokens <= 0 else list(completion.token_ids)
+            tokens = [] if request.params.max_tokens <= 0 else list(completion.token_ids)
             log_probs = None
-            if request.logprobs:
+            if request.params.logprobs:
                 log_probs = [
                     float(step[token].logprob) for step, token in zip(completion.logprobs, tokens, strict=True)
                 ]

@@ -46,14 +46,18 @@ class FaultyBackend(LocalBackend):
 
     def forward_backward(self, batch: Any, meta: dict[str, Any]) -> dict[str, float]:
         self._maybe_fail("forward_backward")
-        return super().forward_backward(batch, meta)
+        metrics = super().forward_backward(batch, meta)
+        if self.has_defect("no_loss_key"):
+            # No defect for verl, which reads no metric by name: only verl's own (actor/pg_loss, ...), no 'loss'.
+            metrics.pop("loss", None)
+        return metrics
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, params: dict[str, Any]) -> Any:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         # In the rollout server's process: its sampler, failing from the given call on.
         self._generate_calls = getattr(self, "_generate_calls", 0) + 1
         if self._generate_calls > int(self.settings.get("fail_after_calls") or 0):
             self._maybe_fail("generate")
-        return await super().generate(prompt_ids, max_tokens, params)
+        return await super().generate(prompt_ids, params)
 
     def _record(self, call: str) -> None:
         log = self.settings.get("calls_log")

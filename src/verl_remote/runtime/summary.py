@@ -6,7 +6,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["RunSummary"]
+__all__ = ["REWARD_METRIC", "RunSummary"]
+
+#: verl's mean reward of a step's batch, the metric the summary and the console's reward column read.
+REWARD_METRIC = "critic/score/mean"
 
 
 @dataclass

@@ -98,7 +98,7 @@ def start_watchdog() -> int:
     """Start the watchdog of this process's run; returns the pipe's write end, to keep open until the end."""
     read_end, write_end = os.pipe()
     subprocess.Popen(
-        [sys.executable, "-m", "verl_remote.integration.watchdog", str(os.getpid()), str(read_end)],
+        [sys.executable, "-m", "verl_remote.runtime.watchdog", str(os.getpid()), str(read_end)],
         pass_fds=(read_end,),
         start_new_session=True,  # a Ctrl-C to the driver's process group must not reach it
         stdin=subprocess.DEVNULL,

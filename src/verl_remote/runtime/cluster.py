@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 
 from verl_remote.discovery.compose import ConfigError
+from verl_remote.kit.errors import root_cause
 
 __all__ = ["SharedPath", "check_cluster_paths", "shared_paths"]
 
@@ -120,7 +121,7 @@ def check_cluster_paths(config: DictConfig, lock_file: str | None = None) -> int
                 "and its raylet log"
             ) from None
         except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            cause = root_cause(exc)
             if isinstance(cause, ModuleNotFoundError | ImportError):
                 raise ConfigError(
                     f"{where} cannot import verl-remote ({cause}): install verl-remote and the backend's "

@@ -1,0 +1,3 @@
+"""What a run needs around verl, touching none of it: its folder's checkpoint records (:mod:`.checkpoints`), the
+check that every node sees the run's files (:mod:`.cluster`), the watchdog that ends a run's leftover processes
+(:mod:`.watchdog`) and the run's summary (:mod:`.summary`)."""

@@ -1,0 +1,94 @@
+"""The glue: verl-remote's contract, forwarder worker and rollout replica over the bigram service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from omegaconf import OmegaConf
+
+from verl_remote import (
+    RayService,
+    RemoteBackend,
+    RemoteForwarderWorker,
+    RemoteRolloutReplica,
+    RemoteRolloutServer,
+    SampleResult,
+    SamplingParams,
+    pack,
+    pack_fields,
+    resources,
+    unpack_like,
+)
+from verl_remote_frozen_backend.service import BigramService
+
+FIELDS = ("input_ids", "prompts", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_prob")
+
+
+class BigramBackend(RemoteBackend):
+    def __init__(self, service: RayService) -> None:
+        self.service, self.model = service, service.actor()
+
+    @classmethod
+    def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> BigramBackend:
+        if handle is not None:  # a forwarder or a rollout server: attach to the running service
+            return cls(RayService.from_handle(handle))
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(str(main_config.actor_rollout_ref.model.path)))
+        actor = OmegaConf.to_container(main_config.actor_rollout_ref.actor, resolve=True)
+        settings = main_config.remote_backend
+        return cls(RayService.start(BigramService, vocab, actor, int(settings.seed), **resources(settings)))
+
+    def reconnect_handle(self) -> dict[str, Any]:
+        return self.service.handle()
+
+    @classmethod
+    def requires_single_forwarder(cls) -> bool:
+        return True  # one service, one optimizer: one caller per step
+
+    async def update_weights(self) -> None:
+        await self.model.publish.remote()
+
+    async def save_checkpoint(self, step: int, path: str) -> None:
+        await self.model.save.remote(path)
+
+    async def load_checkpoint(self, step: int, path: str) -> None:
+        await self.model.load.remote(path)
+
+    async def destroy(self) -> None:
+        self.service.stop()
+
+
+class BigramWorker(RemoteForwarderWorker):
+    def backend_log_probs(self, data: Any, *, temperature: float, calculate_entropy: bool, reference: bool) -> Any:
+        ids = pack(data["input_ids"])
+        out = ray.get(self.backend.model.log_probs.remote(ids, temperature, reference))
+        return unpack_like(out["log_probs"], ids), unpack_like(out["entropy"], ids)
+
+    def backend_forward_backward(self, mini_batch: Any, meta: dict[str, Any]) -> dict[str, float]:
+        return ray.get(self.backend.model.forward_backward.remote(pack_fields(mini_batch, FIELDS), meta))
+
+    def backend_optimizer_step(self) -> dict[str, float]:
+        return ray.get(self.backend.model.optimizer_step.remote())
+
+    def backend_device_name(self) -> str:
+        return "CPU"
+
+    def backend_flops(self, seqlens: list[int]) -> float:
+        return ray.get(self.backend.model.flops.remote(seqlens))
+
+
+class BigramServer(RemoteRolloutServer):
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        if params.top_p < 1.0 or params.top_k > 0:
+            raise ValueError("the bigram example samples the full distribution: set rollout top_p=1 and top_k=-1")
+        call = self.backend.model.sample.remote(
+            prompt_ids, params.max_tokens, params.temperature, list(params.stop_token_ids)
+        )
+        tokens, log_probs = await call
+        return SampleResult(tokens, log_probs)
+
+
+class BigramReplica(RemoteRolloutReplica):
+    server_class = BigramServer

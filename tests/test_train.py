@@ -188,6 +188,10 @@ def test_ctrl_c_sigkill_and_a_failing_sampler_stop_the_run_and_each_time_it_resu
     code, output = _stop_at(proc, step_row(2), signal.SIGINT)  # step 2 is logged after its checkpoint is written
     assert code == 130, output[-3000:]
     assert "verl-remote: interrupted; destroying the backend" in output
+    # The summary as far as the run came, asked of its TaskRunner once the backend is destroyed.
+    assert re.search(r"^verl-remote: 2 steps \(1-2\); mean reward \d\.\d{3} over the first 2", output, re.M), output[
+        -3000:
+    ]
     # After the stop, only verl-remote's lines: what the stop ended (workers, actors) is in the log, not here.
     after = output.split("verl-remote: interrupted; destroying the backend ...", 1)[1].strip().splitlines()
     assert all(line.startswith("verl-remote") for line in after), after

@@ -1,14 +1,17 @@
-"""Inspect the installed backends without letting one broken backend hide the others.
-
-Shared by ``verl-remote list``, ``verl-remote doctor`` and doctor's Ray worker
-task, so that the driver and the workers judge a backend by the same code.
+"""What the CLI diagnoses: the installed backends, without letting one broken backend hide the others (shared by
+``verl-remote list``, ``verl-remote doctor`` and doctor's Ray worker task, so that the driver and the workers
+judge a backend by the same code), and an environment whose media packages cannot load (doctor, and any command
+that fails because of them).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.resources
+import importlib.util
 from collections import Counter
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 from verl_remote.discovery.registry import (
     InstalledBackend,
@@ -19,7 +22,38 @@ from verl_remote.discovery.registry import (
 from verl_remote.kit.errors import BackendError, one_line
 from verl_remote.kit.spec import BackendSpec
 
-__all__ = ["BackendReport", "config_group_error", "inspect_backends"]
+__all__ = ["MEDIA_PACKAGES", "BackendReport", "config_group_error", "inspect_backends", "media_packages_problem"]
+
+#: Packages vLLM's wheels require and text sampling never uses. The package index serves their CUDA builds, which
+#: do not load beside a CPU build of torch, and then transformers' model imports fail.
+MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+MEDIA_FIX = "pip uninstall -y " + " ".join(MEDIA_PACKAGES)
+
+
+def media_packages_problem() -> str | None:
+    """torchvision, torchaudio or torchcodec installed but unable to load (a CUDA build beside a CPU torch): what
+    breaks, in one line with the fix; None when none is installed or each loads."""
+    broken = []
+    for name in MEDIA_PACKAGES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # RuntimeError (an operator missing) or OSError (a library that cannot load)
+            broken.append(f"{name} {_version_of(name)} ({type(exc).__name__})")
+    if not broken:
+        return None
+    return (
+        f"{', '.join(broken)} cannot load beside torch {_version_of('torch')} (CUDA builds from the package index), "
+        f"and then neither can transformers' models nor vLLM; text sampling does not use them: {MEDIA_FIX}"
+    )
+
+
+def _version_of(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "?"
 
 
 @dataclass(frozen=True)

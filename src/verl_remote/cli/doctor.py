@@ -83,11 +83,12 @@ def plugin_status() -> tuple[bool, str]:
 def check_vllm() -> Check:
     """The local backend's vLLM sampler: absent is fine (it samples with Hugging Face), broken is named with the fix."""
     from verl_remote.backends.local.vllm_sampler import INSTALL_HINT, vllm_install_problem, vllm_version
+    from verl_remote.cli.diagnostics import media_packages_problem
 
     name = "vLLM (the local backend's remote_backend.sampler=vllm)"
     if vllm_version() is None:
         return Check(name, True, f"not installed, so the local backend samples with Hugging Face: {INSTALL_HINT}")
-    problem = vllm_install_problem()
+    problem = media_packages_problem() or vllm_install_problem()  # the media packages first: vLLM imports them
     return Check(name, problem is None, problem or f"{vllm_version()} loads")
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from verl_remote import __version__
 from verl_remote.kit.errors import BackendError, one_line
+from verl_remote.runtime.summary import RunSummary
 
 if TYPE_CHECKING:
     from verl_remote.cli.console import Console
@@ -122,14 +123,15 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         )
         if not console.verbose:
             print(f"verl-remote: the full output goes to {console.log_path} (--verbose shows it here)", flush=True)
+        summary = RunSummary()
         try:
-            summary = run(config)
+            run(config, summary)
         except KeyboardInterrupt:
-            _report_end(console, config)
+            _report_end(console, config, summary)
             print("verl-remote train: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
         except Terminated:
-            _report_end(console, config)
+            _report_end(console, config, summary)
             print("verl-remote train: terminated by SIGTERM", file=sys.stderr)
             return EXIT_TERMINATED
         except (ConfigError, UnsupportedVerlError):  # found once the run starts (a cluster node that cannot see a
@@ -137,7 +139,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         except Exception as exc:
             if args.traceback:
                 raise
-            _report_end(console, config)
+            _report_end(console, config, summary)
             print(f"verl-remote: the full output of this run is in {console.log_path}", file=sys.stderr)
             print(f"verl-remote train: the run failed: {_failure(exc, console)}", file=sys.stderr)
             return EXIT_FAILED
@@ -148,14 +150,14 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _report_end(console: Console, config: Any) -> None:
+def _report_end(console: Console, config: Any, summary: RunSummary) -> None:
     """Before the last line of a run that did not finish: its steps' rewards as far as it came, what was not shown,
     and where it can resume."""
     from verl_remote.runtime.checkpoints import complete_steps
-    from verl_remote.runtime.summary import RunSummary
 
-    if console.rewards:
+    if not summary.rewards and console.rewards:  # Ray died under the run: its TaskRunner could not say
         summary = RunSummary([reward for _, reward in console.rewards], first_step=console.rewards[0][0])
+    if summary.rewards:
         print(summary.line(), file=sys.stderr)
 
     if console.repeated_errors:
@@ -176,9 +178,13 @@ def _report_end(console: Console, config: Any) -> None:
 def _failure(exc: BaseException, console: Console) -> str:
     """The run's failure in one line: what died when Ray itself lost a process (the error every caller then gets
     says only that a connection closed), else the innermost error."""
+    from verl_remote.cli.diagnostics import MEDIA_PACKAGES, media_packages_problem
+
     if console.ray_died is not None:
         process, said = console.ray_died
         return f"Ray's {process} died under the run ({said!r}); its calls then failed ({type(exc).__name__})"
+    if _involves(exc, MEDIA_PACKAGES) and (problem := media_packages_problem()) is not None:
+        return f"{one_line(exc)}: {problem}"  # vLLM or transformers' models failing to import in a worker
     return one_line(exc)
 
 
@@ -349,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         # An environment whose torchvision (say) cannot load fails in whatever imports transformers' models first,
         # with a traceback that does not say why: say it, with the fix.
-        from verl_remote.backends.local.vllm_sampler import MEDIA_PACKAGES, media_packages_problem
+        from verl_remote.cli.diagnostics import MEDIA_PACKAGES, media_packages_problem
 
         if args.traceback or not _involves(exc, MEDIA_PACKAGES) or (problem := media_packages_problem()) is None:
             raise

@@ -117,6 +117,8 @@ def _terminate(signum: int, frame: Any) -> None:
 
 _TERMINATED = False
 LOG_DRAIN_S = 1.5
+#: How long a stopped or failed run's driver waits for its TaskRunner's summary.
+SUMMARY_TIMEOUT_S = 10.0
 
 
 #: Keys whose value may be a local path the run's processes read: made absolute against the user's directory.
@@ -204,19 +206,29 @@ def _ray_init(config: DictConfig) -> None:
     ray.init(runtime_env=OmegaConf.to_container(runtime_env), **ray_init)
 
 
-def run(config: DictConfig) -> RunSummary:
-    """Run training to the end; the backend is destroyed on every way out."""
+def _summary_so_far(runner: Any, report: RunSummary) -> None:
+    """The summary of a run that did not finish, from its TaskRunner; nothing when Ray no longer answers (the
+    console's step rows stand in then)."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        report.take(ray.get(runner.summary.remote(), timeout=SUMMARY_TIMEOUT_S))
+
+
+def run(config: DictConfig, report: RunSummary) -> None:
+    """Run training to the end; the backend is destroyed on every way out. ``report`` becomes the run's summary,
+    as the TaskRunner returns it, or as far as the run came when it stops or fails (while Ray still answers)."""
     from verl_remote.runtime.watchdog import start_watchdog
 
     # Ends what is left of the run once this process is gone, however it goes (SIGKILL included).
     watchdog = start_watchdog()
     try:
-        return _run(config)
+        _run(config, report)
     finally:
         os.close(watchdog)
 
 
-def _run(config: DictConfig) -> RunSummary:
+def _run(config: DictConfig, report: RunSummary) -> None:
     import ray
 
     from verl_remote.discovery.compat import UnsupportedVerlError
@@ -243,8 +255,7 @@ def _run(config: DictConfig) -> RunSummary:
         runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
         result = runner.run.remote(config)
         try:
-            summary: RunSummary = ray.get(result)
-            return summary
+            report.take(ray.get(result))
         except KeyboardInterrupt:
             # A second signal while the backend shuts down would leave it running: ignore it.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -260,8 +271,12 @@ def _run(config: DictConfig) -> RunSummary:
                 ray.get(runner.destroy_backend.remote(), timeout=300)
             except Exception as exc:
                 print(f"verl-remote: destroying the backend failed: {exc}", file=sys.stderr)
+            _summary_so_far(runner, report)
             if _TERMINATED:
                 raise Terminated(signal.SIGTERM) from None
+            raise
+        except Exception:
+            _summary_so_far(runner, report)
             raise
     finally:
         # Ray forwards the workers' output a moment after they write it: their last lines (the backend's

@@ -1,12 +1,21 @@
 """The names verl-remote registers in verl's registries (:mod:`verl_remote.integration.verl_hooks`), set in a
-run's config."""
+run's config; and who launched the run whose trainer is being built (:data:`LAUNCHER`)."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from verl_remote.kit.config import OVERLAPPED_MODE
 
-__all__ = ["ASYNC_MODE", "MODE", "ROLLOUT_NAME"]
+__all__ = ["ASYNC_MODE", "LAUNCHER", "MODE", "ROLLOUT_NAME"]
 
 MODE = "remote"  # trainer.v1.trainer_mode
 ASYNC_MODE = OVERLAPPED_MODE  # trainer.v1.trainer_mode: the next step samples while this one trains
 ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
+
+#: Who launched the run whose trainer is built in this context: "cli" (``verl-remote train``, through
+#: ``RemoteTaskRunner``) or "verl" (verl's own launcher, ``python -m verl.trainer.main_ppo``, or ``ray job submit``
+#: of it). Set by the runner around verl's ``run``, which builds the trainer in the same thread. It lives here, in a
+#: module the runner's code reaches by reference: Ray pickles the runner's class by value, and a ContextVar does not
+#: pickle.
+LAUNCHER: ContextVar[str] = ContextVar("verl_remote_launcher", default="verl")

@@ -46,7 +46,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextvars import ContextVar
 from typing import Any
 
 import ray
@@ -58,6 +57,7 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_remote.discovery.registry import load_backend_class, load_worker_class
+from verl_remote.integration import names
 from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 from verl_remote.kit.backend import RemoteBackend
@@ -78,11 +78,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: Who launched the run whose trainer is built in this context: "cli" (``verl-remote train``, through
-#: :class:`RemoteTaskRunner`) or "verl" (verl's own launcher, ``python -m verl.trainer.main_ppo``, or ``ray job
-#: submit`` of it). Set by the runner around verl's ``run``, which builds the trainer in the same thread.
-LAUNCHER: ContextVar[str] = ContextVar("verl_remote_launcher", default="verl")
 
 #: Seconds an overlapped run waits, once its last step is done, for the samples still in flight (the next step's,
 #: which no step will train on) before it destroys the backend: a service is not torn down under its requests.
@@ -125,7 +120,7 @@ class RemotePPOTrainer(PPOTrainerSync):
     def __init__(self, config: DictConfig) -> None:
         #: Whether ``verl-remote train`` launched the run (its TaskRunner), which checked the layout and the
         #: cluster's paths before Ray started and prints the summary itself; else verl's own launcher did.
-        self.launched_by_cli = LAUNCHER.get() == "cli"
+        self.launched_by_cli = names.LAUNCHER.get() == "cli"
         self.backend_name = str(config.remote_backend.name)
         self.summary = RunSummary()
         self._destroy_lock = threading.Lock()
@@ -400,13 +395,18 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """
 
     def run(self, config: DictConfig) -> RunSummary:
-        launched = LAUNCHER.set("cli")  # for the trainer verl builds in this call (this thread's context)
+        launched = names.LAUNCHER.set("cli")  # for the trainer verl builds in this call (this thread's context)
         try:
             super().run(config)
         finally:
-            LAUNCHER.reset(launched)
+            names.LAUNCHER.reset(launched)
             self.destroy_backend()
-        return self.trainer.summary if isinstance(self.trainer, RemotePPOTrainer) else RunSummary()
+        return self.summary()
+
+    def summary(self) -> RunSummary:
+        """The run's summary so far: the CLI asks for it when ``run`` ended in an error or is being stopped."""
+        trainer = getattr(self, "trainer", None)
+        return trainer.summary if isinstance(trainer, RemotePPOTrainer) else RunSummary()
 
     def destroy_backend(self) -> bool:
         trainer = getattr(self, "trainer", None)

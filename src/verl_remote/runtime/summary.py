@@ -20,6 +20,12 @@ class RunSummary:
     first_step: int = 1
     shares: dict[str, list[float]] = field(default_factory=dict)  # phase -> each step's waited share of it
 
+    def take(self, other: RunSummary) -> None:
+        """Become ``other`` (what the run's TaskRunner returned, or had so far when the run stopped)."""
+        self.rewards[:] = other.rewards
+        self.first_step = other.first_step
+        self.shares = {phase: list(shares) for phase, shares in other.shares.items()}
+
     def waits_line(self) -> str | None:
         """What the service's latency cost the run: per phase, the median share of verl's time it waited."""
         if not self.shares:

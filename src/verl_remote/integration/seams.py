@@ -40,6 +40,11 @@ SEAMS: tuple[Seam, ...] = (
     # The trainer (integration/trainer.py): RemotePPOTrainer subclasses PPOTrainerSync.
     Seam(f"{_TRAINER}._init_resource_pool_mgr", "forwarder worker classes and CPU-only pools", ("self",)),
     Seam(f"{_TRAINER}._build_replay_buffer", "checks for a step's samples every 50 ms, not 2 s", ("self",)),
+    Seam(
+        f"{_TRAINER}._add_prompts_to_generate",
+        "the replay buffer's refill (its refill_fn) of evicted groups: a failed request stops the run first",
+        ("self", "num_prompts"),
+    ),
     Seam(f"{_TRAINER}._save_checkpoint", "a completion record after verl's save", ("self",)),
     Seam(f"{_TRAINER}._load_checkpoint", "resumes from the newest complete checkpoint", ("self",)),
     Seam(

@@ -252,6 +252,13 @@ class RemotePPOTrainer(PPOTrainerSync):
             self._check_rollouts(f"at step {self.global_steps}", exc)
             raise
 
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        """verl's replay buffer refilling the groups it evicted. An overlapped run's buffer evicts failed groups and
+        resubmits their prompts, so a sampler that fails every request (a dead service) was asked again for ever:
+        a failed request stops the run here first, as it does at the end of a synchronous step's sampling."""
+        self._check_rollouts(f"at step {self.global_steps}")
+        return int(super()._add_prompts_to_generate(num_prompts))
+
     def on_train_begin(self) -> None:
         if self.overlap:  # the batch sampled ahead: the next step's prompts go out while this step trains
             # verl reads its mode's section the same way: trainer.v1.get(trainer_mode, {}).

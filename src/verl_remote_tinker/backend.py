@@ -310,7 +310,8 @@ def _healthy(settings: dict[str, Any]) -> None:
 
 
 def _said(exc: BaseException) -> str:
-    """What the service said, without the Python type of the session's own errors (a TinkerError's message is the
-    service's answer, in one line)."""
-    text = one_line(exc)
-    return text.split(": ", 1)[1] if type(exc).__name__ == "TinkerError" and ": " in text else text
+    """What the service said: a TinkerError's message (the service's answer, in one line) without its type."""
+    from verl_remote_tinker.session import TinkerError
+
+    message = " ".join(str(exc).split())
+    return message if isinstance(exc, TinkerError) and message else one_line(exc)

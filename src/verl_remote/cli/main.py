@@ -178,14 +178,19 @@ def _report_end(console: Console, config: Any, summary: RunSummary) -> None:
 def _failure(exc: BaseException, console: Console) -> str:
     """The run's failure in one line: what died when Ray itself lost a process (the error every caller then gets
     says only that a connection closed), else the innermost error."""
-    from verl_remote.cli.diagnostics import MEDIA_PACKAGES, media_packages_problem
-
     if console.ray_died is not None:
         process, said = console.ray_died
         return f"Ray's {process} died under the run ({said!r}); its calls then failed ({type(exc).__name__})"
-    if _involves(exc, MEDIA_PACKAGES) and (problem := media_packages_problem()) is not None:
-        return f"{one_line(exc)}: {problem}"  # vLLM or transformers' models failing to import in a worker
+    if (problem := _media_problem(exc)) is not None:  # vLLM or transformers' models failing to import in a worker
+        return f"{one_line(exc)}: {problem}"
     return one_line(exc)
+
+
+def _media_problem(exc: BaseException) -> str | None:
+    """The broken media packages (torchvision, say) with their fix, when ``exc`` comes from them; else None."""
+    from verl_remote.cli.diagnostics import MEDIA_PACKAGES, media_packages_problem
+
+    return media_packages_problem() if _involves(exc, MEDIA_PACKAGES) else None
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -355,9 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         # An environment whose torchvision (say) cannot load fails in whatever imports transformers' models first,
         # with a traceback that does not say why: say it, with the fix.
-        from verl_remote.cli.diagnostics import MEDIA_PACKAGES, media_packages_problem
-
-        if args.traceback or not _involves(exc, MEDIA_PACKAGES) or (problem := media_packages_problem()) is None:
+        if args.traceback or (problem := _media_problem(exc)) is None:
             raise
         print(f"verl-remote {args.command}: error: {one_line(exc)}: {problem}", file=sys.stderr)
         return EXIT_FAILED

@@ -412,12 +412,17 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
 
     def summary(self) -> RunSummary:
         """The run's summary so far: the CLI asks for it when ``run`` ended in an error or is being stopped."""
+        trainer = self._remote_trainer()
+        return trainer.summary if trainer is not None else RunSummary()
+
+    def _remote_trainer(self) -> RemotePPOTrainer | None:
+        """The trainer verl built in ``run``, once it has (verl's TaskRunner sets ``self.trainer``)."""
         trainer = getattr(self, "trainer", None)
-        return trainer.summary if isinstance(trainer, RemotePPOTrainer) else RunSummary()
+        return trainer if isinstance(trainer, RemotePPOTrainer) else None
 
     def destroy_backend(self) -> bool:
-        trainer = getattr(self, "trainer", None)
-        if isinstance(trainer, RemotePPOTrainer):
-            trainer.destroy_backend()
-            return True
-        return False
+        trainer = self._remote_trainer()
+        if trainer is None:
+            return False
+        trainer.destroy_backend()
+        return True

@@ -59,13 +59,6 @@ def vllm_install_problem() -> str | None:
     return None
 
 
-def _installed(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "?"
-
-
 def resolve_sampler(setting: str) -> tuple[str, str]:
     """``remote_backend.sampler`` resolved in this environment: ("hf" or "vllm", the line a run prints).
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, cli, live_actors, run
+from conftest import ROOT, cli, left_behind, live_actors, run
 
 pytestmark = pytest.mark.train  # a check starts the demo's model in Ray workers (seconds to a minute)
 
@@ -84,30 +84,61 @@ def test_a_broken_backend_fails_the_check_that_names_its_defect(
         )
 
 
-def _pytest(test_file: Path, folder: Path) -> str:
-    """``pytest test_file`` as a backend's author runs it (an ini of its own, nothing of this suite's): its
-    report, with the reasons of its expected failures and skips."""
+def _pytest(folder: Path, *test_files: Path) -> str:
+    """``pytest`` of ``test_files`` as a backend's author runs it (an ini of its own, nothing of this suite's): its
+    report, a line per item (``PASSED path::test[check]``, ``XFAIL ...``) with the reasons of its expected
+    failures."""
     (folder / "pytest.ini").write_text("[pytest]\n")
     out = run(
-        sys.executable, "-m", "pytest", str(test_file), "-q", "-rxsf", "-p", "no:cacheprovider",
+        sys.executable, "-m", "pytest", *map(str, test_files), "-q", "-rA", "-p", "no:cacheprovider",
         "-c", str(folder / "pytest.ini"), "--rootdir", str(folder),
         timeout=900, cwd=folder,
     )  # fmt: skip
-    assert live_actors() == []
+    assert left_behind(folder) == {}  # its Ray and the checks' services ended with it
     return out.stdout + out.stderr
 
 
-def _outcomes(report: str) -> dict[str, int]:
-    """pytest's closing counts, e.g. ``{"passed": 12, "failed": 1, "xfailed": 1}`` (warnings left out)."""
-    [counts] = re.findall(r"^=* ?((?:\d+ \w+(?:, )?)+) in [\d.]+s", report, flags=re.M)[-1:]
-    found = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", counts)}
-    return {word: n for word, n in found.items() if not word.startswith("warning")}
+def _outcomes(report: str, test: str) -> dict[str, int]:
+    """The items of the test function ``test`` by outcome, e.g. ``{"passed": 12, "failed": 1, "xfailed": 1}``."""
+    words = {"PASSED": "passed", "FAILED": "failed", "XFAIL": "xfailed", "XPASS": "xpassed", "SKIPPED": "skipped"}
+    found: dict[str, int] = {}
+    for line in report.splitlines():
+        word, _, item = line.partition(" ")
+        if word in words and item.split(" ")[0].split("::")[-1].startswith(f"{test}["):
+            found[words[word]] = found.get(words[word], 0) + 1
+    return found
 
 
-def test_the_example_backend_passes_every_check_as_pytest_items_from_its_own_test_file(tmp_path: Path) -> None:
-    """examples/bigram-backend: a third party's backend, checked by its author's own test file, one item per check."""
-    report = _pytest(ROOT / "examples" / "bigram-backend" / "tests" / "test_conformance.py", tmp_path)
-    assert _outcomes(report) == {"passed": len(CHECK_NAMES)}, report[-3000:]
+@pytest.mark.faults
+def test_authors_test_files_check_as_pytest_items_and_a_declared_expected_failure_that_passes_fails(
+    tmp_path: Path,
+) -> None:
+    """Two authors' test files in one pytest run (one Ray each would be one more start-up: the run is the point).
+
+    examples/bigram-backend: a third party's backend, checked by its author's own test file, one item per check.
+
+    A backend whose sampler reads the live training weights, its author having declared that it fails `overlap`
+    (and, wrongly, `destroy`): overlap is an expected failure with the check's own line and fix, the checks after it
+    run, and destroy, which passes, fails, saying to remove the declaration."""
+    example = ROOT / "examples" / "bigram-backend" / "tests" / "test_conformance.py"
+    faulty = tmp_path / "test_faulty_conformance.py"
+    faulty.write_text(
+        "from verl_remote.testing import parametrize_checks\n\n\n"
+        '@parametrize_checks("faulty", ["remote_backend.defect=samples_live_weights"], expected_failures={\n'
+        '    "overlap": "our sampler reads the live weights", "destroy": "declared by mistake"})\n'
+        "def test_faulty(check):\n"
+        "    check()\n"
+    )
+    report = _pytest(tmp_path, example, faulty)
+    assert _outcomes(report, "test_the_bigram_backend") == {"passed": len(CHECK_NAMES)}, report[-3000:]
+    expected = {"failed": 1, "passed": len(CHECK_NAMES) - 2, "xfailed": 1}
+    assert _outcomes(report, "test_faulty") == expected, report[-3000:]
+    [xfailed] = [line for line in report.splitlines() if line.startswith("XFAIL")]
+    assert "test_faulty[overlap]" in xfailed and "our sampler reads the live weights: [FAIL] overlap:" in xfailed
+    assert " fix: " in xfailed and "sample from the weights of the last update_weights" in xfailed, xfailed
+    [failed] = [line for line in report.splitlines() if line.startswith("FAILED")]
+    assert "test_faulty[destroy]" in failed, failed
+    assert "Failed: destroy passed, but it is declared an expected failure (declared by mistake): remove it" in report
 
 
 def test_a_third_partys_backend_frozen_at_the_0_1_0_contract_passes_every_check(ray_cluster: Any) -> None:
@@ -118,29 +149,6 @@ def test_a_third_partys_backend_frozen_at_the_0_1_0_contract_passes_every_check(
     results = check_backend("frozen")
     assert [r.name for r in results if r.ok] == CHECK_NAMES, "\n".join(r.line() for r in results)
     assert live_actors() == []
-
-
-@pytest.mark.faults
-def test_a_declared_expected_failure_is_reported_as_such_and_one_that_passes_fails_the_suite(tmp_path: Path) -> None:
-    """A backend whose sampler reads the live training weights, its author having declared that it fails `overlap`
-    (and, wrongly, `destroy`): overlap is an expected failure with the check's own line and fix, the checks after it
-    run, and destroy, which passes, fails, saying to remove the declaration."""
-    test_file = tmp_path / "test_faulty_conformance.py"
-    test_file.write_text(
-        "from verl_remote.testing import parametrize_checks\n\n\n"
-        '@parametrize_checks("faulty", ["remote_backend.defect=samples_live_weights"], expected_failures={\n'
-        '    "overlap": "our sampler reads the live weights", "destroy": "declared by mistake"})\n'
-        "def test_faulty(check):\n"
-        "    check()\n"
-    )
-    report = _pytest(test_file, tmp_path)
-    assert _outcomes(report) == {"failed": 1, "passed": len(CHECK_NAMES) - 2, "xfailed": 1}, report[-3000:]
-    [xfailed] = [line for line in report.splitlines() if line.startswith("XFAIL")]
-    assert "test_faulty[overlap]" in xfailed and "our sampler reads the live weights: [FAIL] overlap:" in xfailed
-    assert " fix: " in xfailed and "sample from the weights of the last update_weights" in xfailed, xfailed
-    [failed] = [line for line in report.splitlines() if line.startswith("FAILED")]
-    assert "test_faulty[destroy]" in failed, failed
-    assert "Failed: destroy passed, but it is declared an expected failure (declared by mistake): remove it" in report
 
 
 def test_a_backend_without_verl_remotes_bases_fails_the_contract_check_and_the_command_exits_1(

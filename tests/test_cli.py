@@ -26,6 +26,21 @@ def test_no_command_is_a_usage_error() -> None:
     assert "the following arguments are required: COMMAND" in out.stderr
 
 
+def test_overrides_may_come_before_and_after_an_option_and_an_unknown_option_is_refused(
+    cli_main: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    code, out, err = cli_main("config", "trainer.test_freq=7", "--resolve", "trainer.save_freq=3")
+    assert code == 0, err[-2000:]
+    trainer = yaml.safe_load(out)["trainer"]
+    assert (trainer["test_freq"], trainer["save_freq"]) == (7, 3)
+    with pytest.raises(SystemExit) as exited:
+        cli_main("config", "trainer.test_freq=7", "--no-such-option", "trainer.save_freq=3")
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --no-such-option trainer.save_freq=3" in capsys.readouterr().err
+
+
 def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one(
     cli_main: Any,
 ) -> None:

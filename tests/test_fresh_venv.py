@@ -152,7 +152,7 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         assert Version(sdk.stdout.strip()) >= Version(NEWEST_TINKER_AT_RELEASE), sdk.stdout + sdk.stderr
         checked = paste(  # on the model the server serves (the quick start's recipe trains it too)
             ".venv/bin/verl-remote check tinker remote_backend.base_url=http://127.0.0.1:8000 "
-            "actor_rollout_ref.model.path=verl-remote://demo/lora-model",
+            "actor_rollout_ref.model.path=verl-remote://demo/lora-model --losses vanilla,gspo,seq-mean-token-mean",
             checkout.folder,
             900,
         )
@@ -160,7 +160,11 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         # it trains, not a snapshot (skyrl 0.4.0 backends/jax.py:1031-1034; the suite's tests/tinker_service show
         # it), so the check is synchronous and says why its overlap check is not asked.
         assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-        assert checked.stdout.strip().splitlines()[-1] == "check tinker: 14 passed, 0 failed", checked.stdout[-3000:]
+        assert checked.stdout.strip().splitlines()[-1] == "check tinker: 15 passed, 0 failed", checked.stdout[-3000:]
+        # verl's gradient through Tinker's importance-sampling loss, for a policy loss and an aggregation besides
+        # the default (every loss: docs/measurements.md, "Every loss on every backend"; each load on SkyRL's server
+        # makes a training client, seconds each).
+        assert "[ok  ] gradient: 3 losses: verl's update within " in checked.stdout, checked.stdout[-3000:]
         assert re.search(
             r"\[ok  \] overlap: not asked: the backend declines overlapped runs \(SkyRL's Tinker server samples a LoRA "
             r"model from the adapter its optimizer steps",
@@ -329,7 +333,7 @@ def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, 
 
     checked = paste(check, checkout.folder, timeout=900)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-    assert checked.stdout.strip().splitlines()[-1] == "check local: 14 passed, 0 failed", checked.stdout[-3000:]
+    assert checked.stdout.strip().splitlines()[-1] == "check local: 15 passed, 0 failed", checked.stdout[-3000:]
     # Each run stopped the engine's processes: the last may still be exiting as the check returns.
     deadline = time.monotonic() + 30
     while run("pgrep", "-f", "VLLM|EngineCore").stdout and time.monotonic() < deadline:

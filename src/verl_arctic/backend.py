@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
-from verl_arctic.jobs import check_objective, job_configs, refusal_hint
+from verl_arctic.jobs import job_configs, refusal_hint
 from verl_arctic.launch import launch_server, require_free_port
 from verl_arctic.record import JOBS_FILE, RUN_DIR_PREFIX, clean_up_after_a_dead_run
 from verl_remote import RemoteBackend, as_dict, resumes_from_checkpoint
@@ -34,9 +34,9 @@ POINTER_FILE = "arctic_checkpoint.json"
 
 @dataclass(frozen=True)
 class ArcticSettings:
-    """What a run needs of ``remote_backend.comms`` and verl's objective, validated once, in one place:
-    :meth:`ArcticBackend.preflight` (before Ray) and :meth:`ArcticBackend.from_config` (on the driver) both
-    start from :meth:`for_run`, a process attaching to the run from :meth:`of`."""
+    """What a run needs of ``remote_backend.comms``, validated once, in one place (:meth:`of`):
+    :meth:`ArcticBackend.preflight` (before Ray), :meth:`ArcticBackend.from_config` (on the driver) and each
+    process attaching to the run start from it."""
 
     url: str
     api: str
@@ -47,12 +47,6 @@ class ArcticSettings:
     launch: str | None
     startup_timeout: float
     job_ready_timeout: float
-
-    @classmethod
-    def for_run(cls, main_config: Any) -> ArcticSettings:
-        """The settings of a run to start: :meth:`of`, and a policy loss Arctic's training job can run."""
-        check_objective(as_dict(main_config.actor_rollout_ref.actor))
-        return cls.of(main_config)
 
     @classmethod
     def of(cls, main_config: Any) -> ArcticSettings:
@@ -155,7 +149,7 @@ class ArcticBackend(RemoteBackend):
         settings = as_dict(main_config.remote_backend)
         if handle is not None:  # a forwarder or a rollout server, attaching (its config has no actor section)
             return cls(ArcticSettings.of(main_config).client(str(handle["generation"])), dict(handle["jobs"]), settings)
-        arctic = ArcticSettings.for_run(main_config)
+        arctic = ArcticSettings.of(main_config)
         server = None
         if arctic.launch:
             server = launch_server(arctic.launch, arctic.url, arctic.startup_timeout)
@@ -210,7 +204,7 @@ class ArcticBackend(RemoteBackend):
     @classmethod
     def preflight(cls, main_config: Any) -> None:
         """The service reachable and Arctic's, its protocol and GPUs as configured, the job configs valid."""
-        arctic = ArcticSettings.for_run(main_config)
+        arctic = ArcticSettings.of(main_config)
         if arctic.launch:
             require_free_port(arctic.url)
             job_configs(main_config, arctic.api if arctic.api != "auto" else "main")

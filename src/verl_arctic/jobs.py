@@ -2,8 +2,8 @@
 
 Pure functions of verl's and ``remote_backend.*``'s settings, no I/O: :func:`job_configs` builds the sampling,
 reference ``log_prob`` and training jobs' bodies for a protocol generation (docs/arctic-backend.md maps each
-key), :func:`check_objective` refuses loss settings Arctic would replace, and :func:`refusal_hint` says what in a
-body Arctic's DeepSpeed is known to refuse when the server answers its bare 500.
+key), and :func:`refusal_hint` says what in a body Arctic's DeepSpeed is known to refuse when the server answers
+its bare 500. (The loss travels with each update: :mod:`verl_arctic.loss`.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from verl_remote import as_dict
 
-__all__ = ["ARCTIC_LOSS", "check_objective", "job_configs", "refusal_hint"]
+__all__ = ["job_configs", "refusal_hint"]
 
 
 def _training_steps(config: Any, actor: dict[str, Any]) -> int | None:
@@ -46,29 +46,6 @@ def _optim(actor: dict[str, Any], horizon: int) -> tuple[dict[str, Any], float]:
         "min_lr_ratio": float(optim.get("min_lr_ratio") or 0.0),
         "total": total,
     }, clip
-
-
-#: What Arctic's ``verl_grpo`` loss computes whatever verl's config says (arctic-platform 0.1.2
-#: rl/processors/verl_grpo.py:195-198, 0.1.4 the same): clip ratios fixed, the vanilla policy loss.
-ARCTIC_LOSS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
-
-
-def check_objective(actor: dict[str, Any]) -> None:
-    """Refuse verl loss settings Arctic's server would silently replace with its own."""
-    for key, fixed in ARCTIC_LOSS.items():
-        value = actor.get(key)
-        if value is not None and float(value) != fixed:
-            raise ValueError(
-                f"actor_rollout_ref.actor.{key}={value}: Arctic's verl_grpo loss clips at 0.2 (low and high) with a "
-                f"dual-clip bound of 3.0 whatever it is sent, so it would train a different objective; "
-                f"set actor_rollout_ref.actor.{key}={fixed}"
-            )
-    mode = str((actor.get("policy_loss") or {}).get("loss_mode") or "vanilla")
-    if mode != "vanilla":
-        raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}: Arctic's verl_grpo loss is verl's vanilla PPO "
-            "policy loss only; set actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"
-        )
 
 
 def _zero(deepspeed: dict[str, Any]) -> dict[str, Any]:

@@ -17,9 +17,10 @@ import torch
 from tensordict import TensorDict
 
 from verl_arctic.backend import ArcticBackend
-from verl_remote import RemoteForwarderWorker, as_dict
+from verl_arctic.loss import ARCTIC_LOSS, Aggregation, aggregation, carried_advantages, single_pass
+from verl_remote import RemoteForwarderWorker, actor_loss_gradient, as_dict, response_values
 
-__all__ = ["ArcticRLActorRolloutRefWorker", "from_dense", "to_dense"]
+__all__ = ["ArcticRLActorRolloutRefWorker", "from_dense", "to_dense", "verl_grpo_request"]
 
 
 def _rows(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -50,9 +51,10 @@ def to_dense(data: TensorDict, pad: int) -> tuple[dict[str, torch.Tensor], list[
     return batch, p_lens, r_lens, width_p
 
 
-def response_aligned(values: torch.Tensor, width_p: int, width_r: int, dtype: torch.dtype) -> torch.Tensor:
-    """verl's response-length rows, right-padded to R and left-padded with zeros by P (full length)."""
-    rows = _rows(values)
+def response_aligned(values: Any, width_p: int, width_r: int, dtype: torch.dtype) -> torch.Tensor:
+    """verl's response-length rows (jagged, or a list of rows), right-padded to R and left-padded with zeros by
+    P (full length)."""
+    rows = values if isinstance(values, list) else _rows(values)
     out = torch.zeros(len(rows), width_p + width_r, dtype=dtype)
     for b, row in enumerate(rows):
         out[b, width_p : width_p + len(row)] = row.to(dtype)
@@ -67,6 +69,43 @@ def from_dense(values: torch.Tensor, p_lens: list[int], r_lens: list[int], width
         row[-1] = 0.0  # predicts past the end (Arctic leaves garbage there)
         rows.append(row)
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def verl_grpo_request(
+    mini_batch: TensorDict,
+    pad: int,
+    meta: dict[str, Any],
+    how: Aggregation,
+    actor_config: dict[str, Any],
+    old_log_probs: Any,
+    advantages: list[torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """The body of a ``verl_grpo`` forward-backward call: ``mini_batch`` dense, with these old log-probs and
+    advantages (the mini-batch's own when None), aggregated as ``how`` says; ``meta`` is the rest of its meta."""
+    batch, _, _, width_p = to_dense(mini_batch, pad)
+    width_r = batch["responses"].shape[1]
+    mask = response_aligned(mini_batch["response_mask"], width_p, width_r, torch.long)
+    batch |= {
+        "response_mask": mask,
+        "loss_mask": mask,
+        "old_log_probs": response_aligned(old_log_probs, width_p, width_r, torch.float32),
+        "advantages": response_aligned(
+            mini_batch["advantages"] if advantages is None else advantages, width_p, width_r, torch.float32
+        ),
+    }
+    if actor_config.get("use_kl_loss") and "ref_log_prob" in set(mini_batch.keys()):
+        batch["ref_log_prob"] = response_aligned(mini_batch["ref_log_prob"], width_p, width_r, torch.float32)
+    size = how.global_batch_size
+    meta = {
+        **meta,
+        "max_prompt_len": width_p,
+        "max_response_len": width_r,
+        "actor_config": actor_config,
+        "global_batch_size": int(size) if size.is_integer() else size,
+        "batch_num_tokens": torch.tensor(how.batch_num_tokens),
+    }
+    processing = {"post": ["apply_temperature", "compute_entropy_and_logprobs"], "loss_fn": "verl_grpo"}
+    return {"batch": batch, "meta": meta, "processing": processing}
 
 
 class ArcticRLActorRolloutRefWorker(RemoteForwarderWorker):
@@ -120,32 +159,51 @@ class ArcticRLActorRolloutRefWorker(RemoteForwarderWorker):
         return log_probs, entropy
 
     def backend_forward_backward(self, mini_batch: TensorDict, meta: dict[str, Any]) -> dict[str, float]:
-        batch, _, _, width_p = to_dense(mini_batch, self.pad_token_id)
-        width_r = batch["responses"].shape[1]
-        mask = response_aligned(mini_batch["response_mask"], width_p, width_r, torch.long)
-        batch |= {
-            "response_mask": mask,
-            "loss_mask": mask,
-            "old_log_probs": response_aligned(mini_batch["old_log_probs"], width_p, width_r, torch.float32),
-            "advantages": response_aligned(mini_batch["advantages"], width_p, width_r, torch.float32),
-        }
-        if "ref_log_prob" in set(mini_batch.keys()):
-            batch["ref_log_prob"] = response_aligned(mini_batch["ref_log_prob"], width_p, width_r, torch.float32)
-        wire_meta = self._meta(float(meta["temperature"]), bool(meta["calculate_entropy"]))
-        wire_meta |= {
-            "max_prompt_len": width_p,
-            "max_response_len": width_r,
-            "actor_config": {k: v for k, v in self.actor_config.items() if not isinstance(v, dict | list)},
-            "policy_loss_config": dict(self.actor_config.get("policy_loss") or {}),
-            "global_batch_size": int(meta["global_batch_size"]),
-            "batch_num_tokens": torch.tensor(int(meta["batch_num_tokens"])),
-        }
-        processing = {"post": ["apply_temperature", "compute_entropy_and_logprobs"], "loss_fn": "verl_grpo"}
-        result = self.backend.forward_backward({"batch": batch, "meta": wire_meta, "processing": processing})
-        metrics = {key.removeprefix("actor/"): float(value) for key, value in result["metrics"].items()}
+        """verl's loss on one mini-batch through Arctic's ``verl_grpo``: in one pass where it is verl's loss,
+        otherwise verl's gradient carried through it after a forward pass (:mod:`verl_arctic.loss`)."""
+        how = aggregation(self.actor_config, meta, mini_batch["response_mask"])
+        actor_config = {k: v for k, v in self.actor_config.items() if not isinstance(v, dict | list)}
+        actor_config["loss_agg_mode"] = how.mode
+        if single_pass(self.actor_config, mini_batch):
+            metrics = self._verl_grpo(mini_batch, meta, how, actor_config, mini_batch["old_log_probs"])
+        else:
+            current, _ = self.backend_log_probs(
+                mini_batch, temperature=float(meta["temperature"]), calculate_entropy=False, reference=False
+            )
+            gradient, ours = actor_loss_gradient(current, mini_batch, meta, self.config.actor)
+            lengths = mini_batch["response_mask"]
+            masks = list(lengths.unbind(0))
+            carried = carried_advantages(list(response_values(gradient, lengths).unbind(0)), masks, how)
+            # Every ratio 1 (the current log-probs as the old ones), the KL term in the gradient, the entropy
+            # bonus the server's, aggregated as verl aggregates it.
+            actor_config |= {"use_kl_loss": False, **ARCTIC_LOSS}
+            theirs = self._verl_grpo(
+                mini_batch, meta, how, actor_config, response_values(current, lengths), advantages=carried
+            )
+            metrics = {**ours, **{k: v for k, v in theirs.items() if k.startswith("entropy")}}
+            if "entropy_loss" in metrics:
+                metrics["loss"] -= float(self.actor_config.get("entropy_coeff") or 0.0) * metrics["entropy_loss"]
         if "loss" not in metrics:
             raise ValueError(f"Arctic's forward-backward returned no 'loss' metric (got {sorted(metrics)})")
         return metrics
+
+    def _verl_grpo(
+        self,
+        mini_batch: TensorDict,
+        meta: dict[str, Any],
+        how: Aggregation,
+        actor_config: dict[str, Any],
+        old_log_probs: Any,
+        advantages: list[torch.Tensor] | None = None,
+    ) -> dict[str, float]:
+        """One ``/forward-backward`` (``/fwd-bwd``) call of Arctic's ``verl_grpo`` loss; its metrics."""
+        wire_meta = self._meta(float(meta["temperature"]), bool(meta["calculate_entropy"]))
+        wire_meta["policy_loss_config"] = dict(self.actor_config.get("policy_loss") or {})
+        payload = verl_grpo_request(
+            mini_batch, self.pad_token_id, wire_meta, how, actor_config, old_log_probs, advantages
+        )
+        result = self.backend.forward_backward(payload)
+        return {key.removeprefix("actor/"): float(value) for key, value in result["metrics"].items()}
 
     def backend_optimizer_step(self) -> dict[str, float]:
         metrics = self.backend.step()["metrics"]

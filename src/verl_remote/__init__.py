@@ -53,6 +53,7 @@ _EXPORTS = {
     "unpack_like": "verl_remote.kit.payload",
     # verl's computations, where the model lives
     "actor_loss": "verl_remote.kit.compute",
+    "actor_loss_gradient": "verl_remote.kit.compute",
     "response_index": "verl_remote.kit.compute",
     "response_values": "verl_remote.kit.compute",
     "sample_token": "verl_remote.kit.compute",
@@ -86,6 +87,7 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "SpecError",
     "__version__",
     "actor_loss",
+    "actor_loss_gradient",
     "as_dict",
     "one_line",
     "overlapped",
@@ -106,7 +108,7 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
 #: service side follow how verl's losses reach services (every policy loss, a gradient check), still settling.
 __stability__ = {
     name: "beta"
-    if name in ("actor_loss", "response_index", "response_values", "sample_token", "overlapped")
+    if name in ("actor_loss", "actor_loss_gradient", "response_index", "response_values", "sample_token", "overlapped")
     else "stable"
     for name in __all__
     if name != "__version__"
@@ -116,7 +118,7 @@ if TYPE_CHECKING:
     from verl_remote.integration.rollout import RemoteRolloutReplica, RemoteRolloutServer
     from verl_remote.integration.worker import RemoteForwarderWorker
     from verl_remote.kit.backend import RemoteBackend
-    from verl_remote.kit.compute import actor_loss, response_index, response_values, sample_token
+    from verl_remote.kit.compute import actor_loss, actor_loss_gradient, response_index, response_values, sample_token
     from verl_remote.kit.config import as_dict, overlapped
     from verl_remote.kit.errors import (
         BackendError,

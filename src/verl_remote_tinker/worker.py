@@ -4,15 +4,15 @@
 targets; ``forward`` returns the log-prob of each target, which is verl's predict-next layout less its last
 position (0). The reference's come from a sampler of the base model (``compute_logprobs``), the LoRA off.
 
-**The update.** verl's loss (:func:`verl_remote.actor_loss`, whatever its policy loss, KL term and
-aggregation) is a function of the current log-prob ``l_t`` of each response token. Its gradient with
-respect to the model is ``sum_t g_t * dl_t`` with ``g_t = dL/dl_t``, which the forwarder computes with torch
-from the log-probs the service returned. The service is then sent its own ``importance_sampling`` loss,
-``-exp(l_t - s_t) * A_t`` per token, with ``s_t = l_t`` (ratio 1) and ``A_t = -g_t * c_i``: its gradient is
-verl's. ``c_i`` undoes the service's reduction: 1 where the service sums over tokens (Tinker's documented
-semantics), ``sum(weights_i) * rows`` where it takes each sequence's mean and then the mean over the
-sequences of the step (SkyRL). The log-probs at the current weights are the ones ``compute_log_prob`` just
-fetched for the first mini-batch of a step (the session keeps them), and a ``forward`` for the others.
+**The update.** verl's loss (whatever its policy loss, KL term and aggregation) is a function of the current
+log-prob ``l_t`` of each response token. Its gradient with respect to the model is ``sum_t g_t * dl_t`` with
+``g_t = dL/dl_t`` (:func:`verl_remote.actor_loss_gradient`, from the log-probs the service returned). The service
+is then sent its own ``importance_sampling`` loss, ``-exp(l_t - s_t) * A_t`` per token, with ``s_t = l_t`` (ratio
+1) and ``A_t = -g_t * c_i``: its gradient is verl's. ``c_i`` undoes the service's reduction: 1 where the service
+sums over tokens (Tinker's documented semantics), ``sum(weights_i) * rows`` where it takes each sequence's mean and
+then the mean over the sequences of the step (SkyRL). The log-probs at the current weights are the ones
+``compute_log_prob`` just fetched for the first mini-batch of a step (the session keeps them), and a ``forward``
+for the others.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from verl_remote import RemoteForwarderWorker, actor_loss
+from verl_remote import RemoteForwarderWorker, actor_loss_gradient
 from verl_remote_tinker.backend import TinkerBackend
 
 __all__ = ["TinkerForwarderWorker", "linearised_datums"]
@@ -49,13 +49,10 @@ class TinkerForwarderWorker(RemoteForwarderWorker):
         ids = mini_batch["input_ids"]
         rows = _rows(ids)
         current = self.backend.forward(rows, update=True)
-        leaf = torch.tensor(np.concatenate([np.append(v, 0.0) for v in current]), dtype=torch.float32)
-        leaf.requires_grad_(True)
-        loss, metrics = actor_loss(_jagged(leaf, ids.offsets()), mini_batch, meta, self.config.actor)
-        loss.backward()
-        assert leaf.grad is not None
+        flat = torch.tensor(np.concatenate([np.append(v, 0.0) for v in current]), dtype=torch.float32)
+        gradient, metrics = actor_loss_gradient(_jagged(flat, ids.offsets()), mini_batch, meta, self.config.actor)
         datums = linearised_datums(
-            rows, current, leaf.grad.numpy(), mini_batch["response_mask"], self.backend.reduction
+            rows, current, gradient.values().numpy(), mini_batch["response_mask"], self.backend.reduction
         )
         self.backend.submit_forward_backward(datums)
         return metrics

@@ -17,6 +17,7 @@ def test_verl_arctic_passes_the_conformance_checks_that_its_protocol_allows(
     arctic_server: tuple[str, str], ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from verl_remote.testing import check_backend
+    from verl_remote.testing.gradient import every_loss
 
     monkeypatch.chdir(tmp_path)  # the check's checkpoints go to its own folder, never the working directory
 
@@ -25,18 +26,22 @@ def test_verl_arctic_passes_the_conformance_checks_that_its_protocol_allows(
     # on v0.1 colocated ones, the default, which decline overlapped runs.
     engines = ["remote_backend.colocate=false"] if generation == "main" else []
     overrides = [f"remote_backend.comms.api={generation}", f"remote_backend.comms.url={url}", *engines]
-    results = check_backend("arctic", overrides)
+    # On main, every loss verl has through the gradient check (one policy loss at a time, then the aggregations
+    # and the KL loss): the single pass where Arctic's verl_grpo is verl's loss, the carried gradient elsewhere.
+    results = check_backend("arctic", overrides, losses="all" if generation == "main" else None)
     lines = "\n".join(result.line() for result in results)
     failed = [result.name for result in results if not result.ok and not result.skipped]
     [overlap] = [result for result in results if result.name == "overlap"]
+    [gradient] = [result for result in results if result.name == "gradient"]
     if generation == "main":
         assert failed == [], lines
         assert overlap.detail.startswith("max difference"), lines
+        assert gradient.detail.startswith(f"{len(every_loss())} losses: verl's update within "), lines
     else:
         # Arctic's v0.1 protocol has no load-checkpoint call: the one check it cannot pass, in the backend's words.
         assert failed == ["checkpoint"], lines
         assert "has no load-checkpoint call, so a run cannot resume on it" in lines
-        assert overlap.skipped  # it needs a checkpoint loaded
+        assert overlap.skipped and gradient.skipped  # they need a checkpoint loaded
     assert live_actors() == []
     assert arctic_jobs(url) == {}  # every job the checks made is destroyed on the server
     assert list(tmp_path.iterdir()) == []

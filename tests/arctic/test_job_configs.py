@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from verl_arctic.jobs import check_objective, job_configs, refusal_hint
+from verl_arctic.jobs import job_configs, refusal_hint
 from verl_arctic.testing.engine import DeepSpeedRefusal, deepspeed_setup, reference_setup
 from verl_remote.discovery.compose import compose_config
 
@@ -91,19 +91,14 @@ def test_a_mini_batch_that_does_not_divide_into_micro_batches_is_refused_with_th
         _jobs("main", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
 
 
-@pytest.mark.parametrize(
-    ("key", "value"),
-    [
-        ("actor_rollout_ref.actor.clip_ratio_high", "0.28"),
-        ("actor_rollout_ref.actor.clip_ratio_low", "0.1"),
-        ("actor_rollout_ref.actor.clip_ratio_c", "10.0"),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode", "gspo"),
-    ],
-)
-def test_loss_settings_arctic_would_silently_replace_are_refused(key: str, value: str) -> None:
-    actor = compose_config(["remote_backend=arctic", f"{key}={value}"], recipe="demo").actor_rollout_ref.actor
-    from verl_remote import as_dict
-
-    with pytest.raises(ValueError, match=rf"{key}={value}: Arctic's verl_grpo loss"):
-        check_objective(as_dict(actor))
-    check_objective(as_dict(compose_config(["remote_backend=arctic"], recipe="demo").actor_rollout_ref.actor))
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_the_loss_travels_with_each_update_not_in_the_jobs(generation: str) -> None:
+    """Every policy loss, clip ratio and aggregation trains on the same jobs (verl_arctic.loss; tests/arctic/
+    test_loss.py): nothing of them is refused, nor in an /initialize body."""
+    losses = [
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.clip_ratio_c=10.0",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+    ]
+    assert _jobs(generation, *losses) == _jobs(generation)

@@ -134,7 +134,9 @@ def _backend(folder: Path, *overrides: str) -> Any:
 def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_leaves_its_jobs(
     arctic: Arctic, tmp_path: Path, caplog: pytest.LogCaptureFixture, cli_main: Any
 ) -> None:
-    """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client.
+    """Two data-parallel DeepSpeed ranks, two micro-batches each: Arctic's merges travel to the client. The policy
+    loss is not Arctic's (gspo on v0.1, cispo summed over tokens on main): each update a forward pass and verl's
+    gradient carried through Arctic's verl_grpo.
 
     On protocol v0.1, with a KL penalty (a reference job beside the training job) and a save at step 2, which a
     later run cannot resume: v0.1 has no load-checkpoint call, and the run is refused before anything starts.
@@ -154,6 +156,16 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         f"remote_backend.comms.url={arctic.url}",
         f"remote_backend.training_gpus={TRAINING_RANKS}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        # A policy loss Arctic's verl_grpo is not: verl's gradient carried through it (verl_arctic.loss), with an
+        # aggregation its servers do not name on main.
+        *(
+            ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]
+            if arctic.generation == "v0.1"
+            else [
+                "actor_rollout_ref.actor.policy_loss.loss_mode=cispo",
+                "actor_rollout_ref.actor.loss_agg_mode=token-sum",
+            ]
+        ),
     ]
     dead = tmp_path / "dead"
     beside_a_dead_run = arctic.generation == "main"

@@ -209,6 +209,29 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else 0
 
 
+def _losses(said: str | None) -> list[dict[str, str]] | str | None:
+    """--losses: 'all', or policy losses and aggregations by name (gspo,token-sum,...)."""
+    if said is None or said == "all":
+        return said
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_remote.discovery.compose import ConfigError
+    from verl_remote.testing.gradient import AGGREGATIONS, NEEDS
+
+    losses: list[dict[str, str]] = []
+    for name in said.split(","):
+        if name not in AGGREGATIONS and name not in POLICY_LOSS_REGISTRY:
+            raise ConfigError(
+                f"--losses: verl has no policy loss or aggregation {name!r}; its policy losses: "
+                f"{', '.join(sorted(POLICY_LOSS_REGISTRY))}; its aggregations: {', '.join(AGGREGATIONS)}"
+            )
+        if name in AGGREGATIONS:
+            losses.append({"loss_agg_mode": name})
+        else:
+            losses.append({"policy_loss.loss_mode": name, **NEEDS.get(name, {})})
+    return losses
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from verl_remote.discovery.registry import get_backend_spec
     from verl_remote.runtime.watchdog import start_watchdog
@@ -218,7 +241,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(f"verl-remote check: backend '{args.name}' (a Ray instance of its own, the demo's tiny model)", flush=True)
     watchdog = start_watchdog()  # nothing of the checks outlives this process, however it ends
     try:
-        results = check_backend(args.name, args.overrides, on_result=lambda r: print(r.line(), flush=True))
+        results = check_backend(
+            args.name, args.overrides, on_result=lambda r: print(r.line(), flush=True), losses=_losses(args.losses)
+        )
     finally:
         os.close(watchdog)
     failed = [r for r in results if not r.ok and not r.skipped]
@@ -314,11 +339,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Drive backend NAME as a training run does, without verl's trainer: its spec and group "
         "file, from_config and the reconnect handle, a forwarder and a rollout server re-attached in their own "
         "Ray processes, the log-prob layout, the sampler, a training step, weight sync, a checkpoint round "
-        "trip and destroy. One line per check, with a fix for each failure. Exits 0 when every check passes, "
-        "1 otherwise.",
+        "trip, the loss's gradient against verl's, overlap and destroy. One line per check, with a fix for each "
+        "failure. Exits 0 when every check passes, 1 otherwise.",
     )
     p.add_argument("name", help="the backend's name (see 'verl-remote list')")
     p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override for the backend, key=value")
+    p.add_argument(
+        "--losses",
+        metavar="LIST",
+        help="the losses the gradient check compares with verl's: 'all' (every policy loss verl has, every "
+        "aggregation, the KL loss) or names, comma-separated (gspo,cispo,seq-mean-token-mean); by default the "
+        "configured loss (actor_rollout_ref.actor.policy_loss.loss_mode, ...)",
+    )
     p.set_defaults(func=_cmd_check)
     return parser
 

@@ -15,6 +15,13 @@ verl's clip ratios, minus ``entropy_coeff`` times the entropy, plus ``kl_loss_co
 (``meta``'s ``dp_size``, ``batch_num_tokens``, ``global_batch_size``). Every setting it reads is in the
 run's actor config (``actor_rollout_ref.actor``), which a forwarder has as ``self.config.actor``.
 
+**The loss's gradient, for a service that back-propagates weights.** Every term of verl's loss but the entropy
+bonus is a function of the log-prob ``l_t`` of each response token, so its gradient with respect to the model is
+``sum_t g_t * dl_t`` with ``g_t = dL/dl_t``. :func:`actor_loss_gradient` gives ``g`` (and verl's metrics) from
+the log-probs at the current weights; a service that can back-propagate a weighted sum of log-probs, or a
+policy loss with its ratio at 1 (``old_log_probs`` set to the current log-probs, ``advantages`` to ``-g`` over
+the service's aggregation weight), then applies verl's update for any policy loss, aggregation and KL term.
+
 **Sampling.** :func:`sample_token` draws one token as verl's sampling parameters mean it (temperature, then
 top-k, then top-p; greedy at temperature 0) and returns its log-prob under the temperature-scaled
 distribution, which is what verl compares with the trainer's (``rollout_probs_diff``).
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["actor_loss", "response_index", "response_values", "sample_token"]
+__all__ = ["actor_loss", "actor_loss_gradient", "response_index", "response_values", "sample_token"]
 
 
 def _lengths(value: Any) -> torch.Tensor:
@@ -131,6 +138,28 @@ def actor_loss(
         value = value.aggregate() if isinstance(value, Metric) else value
         metrics[key.removeprefix("actor/")] = float(value.detach() if torch.is_tensor(value) else value)
     return loss, metrics
+
+
+def actor_loss_gradient(
+    log_probs: torch.Tensor, mini_batch: Mapping[str, Any], meta: Mapping[str, Any], actor_config: Any
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``dL/dl`` of verl's actor loss (:func:`actor_loss`, without the entropy bonus) at ``log_probs``.
+
+    Args:
+        log_probs: jagged, one row per sequence, the current weights' log-probs (no graph needed).
+        mini_batch, meta, actor_config: as for :func:`actor_loss`.
+
+    Returns:
+        ``(gradient, metrics)``: the gradient jagged like ``log_probs`` (0 outside the responses and wherever a
+        token does not count), and the metrics :func:`actor_loss` returns.
+    """
+    offsets = log_probs.offsets()
+    leaf = log_probs.values().detach().to(torch.float32).clone().requires_grad_(True)
+    loss, metrics = actor_loss(torch.nested.nested_tensor_from_jagged(leaf, offsets), mini_batch, meta, actor_config)
+    (gradient,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    if gradient is None:  # a loss that does not depend on the log-probs (every advantage 0, say)
+        gradient = torch.zeros_like(leaf)
+    return torch.nested.nested_tensor_from_jagged(gradient.detach(), offsets), metrics
 
 
 def _actor_config(actor_config: Any) -> Any:

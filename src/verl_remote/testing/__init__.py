@@ -16,7 +16,8 @@ own, in seconds to a minute on a CPU with the demo's tiny model. See docs/backen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 from verl_remote.testing.checks import CHECKS, CheckResult, Conformance
 from verl_remote.testing.items import ConformanceCheck, parametrize_checks
@@ -31,9 +32,13 @@ def check_backend(
     on_result: Callable[[CheckResult], None] | None = None,
     atol: float | None = None,
     expected_failures: Collection[str] = (),
+    losses: Sequence[Mapping[str, Any]] | str | None = None,
 ) -> list[CheckResult]:
     """Run every check against backend ``name`` (config ``remote_backend=name`` plus ``overrides``). A check
-    named in ``expected_failures`` that fails does not stop the checks after it.
+    named in ``expected_failures`` that fails does not stop the checks after it. ``losses`` are the losses the
+    gradient check compares, each as settings of ``actor_rollout_ref.actor`` (dotted keys) on top of the
+    config's, or ``"all"``: every policy loss verl has, every aggregation, the KL loss; by default the
+    configured loss.
 
     Starts a Ray instance of its own (8 logical CPUs, like a run) unless Ray is running in this process, and
     stops it after; the backend is destroyed however the checks end.
@@ -46,7 +51,15 @@ def check_backend(
     if started:
         quiet_local_ray_auth()
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    conformance = Conformance(name, tuple(overrides), **({"atol": atol} if atol is not None else {}))
+    if losses == "all":
+        from verl_remote.testing.gradient import every_loss
+
+        losses = every_loss()
+    elif isinstance(losses, str):
+        raise ValueError(f"losses={losses!r}: give 'all' or a list of settings")
+    conformance = Conformance(
+        name, tuple(overrides), **({"atol": atol} if atol is not None else {}), losses=losses or ({},)
+    )
     try:
         return conformance.run(on_result, expected_failures=frozenset(expected_failures))
     finally:

@@ -16,7 +16,7 @@ import pickle
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +109,19 @@ def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
 class Conformance:
     """The checks of one backend. ``run()`` returns one :class:`CheckResult` per check, in order."""
 
-    def __init__(self, name: str, overrides: tuple[str, ...] = (), *, atol: float = DEFAULT_ATOL) -> None:
+    def __init__(
+        self,
+        name: str,
+        overrides: tuple[str, ...] = (),
+        *,
+        atol: float = DEFAULT_ATOL,
+        losses: Sequence[Mapping[str, Any]] = ({},),
+    ) -> None:
         self.name = name
         self.overrides = tuple(overrides)
         self.atol = atol
+        #: The losses the gradient check compares, each as actor settings on top of the config's ({}: as configured).
+        self.losses = [dict(settings) for settings in losses]
         self.state = _State()
         self._made: set[str] = set()
         self._baseline: set[int] = set()
@@ -430,6 +439,67 @@ class Conformance:
         )
         return f"max difference {diff:.2g}"
 
+    def check_gradient(self) -> str:
+        """gradient: the update the backend applies is the one verl's loss asks for (each loss asked, in turn).
+
+        verl_remote.testing.gradient says how: from one saved state, the backend's update against the same
+        gradient carried by a probe every backend trains alike."""
+        import ray
+
+        from verl_remote.testing import gradient as g
+
+        path = os.path.join(self.state.folder, "global_step_3", "actor")
+        os.makedirs(path)
+        rows, responses = self._gradient_rows()
+        lengths = [len(r) for r in responses]
+        asyncio.run(self.state.backend.save_checkpoint(3, path))
+        current = self._log_probs(rows, lengths)
+        actor = self.state.config.actor_rollout_ref.actor
+
+        def update(settings: dict[str, Any], batch: tuple[Any, ...]) -> np.ndarray:
+            """The response tokens' log-probs after one update from the saved state by a run with ``settings``."""
+            asyncio.run(self.state.backend.load_checkpoint(3, path))
+            ray.get(self.state.worker.use_actor.remote(settings), timeout=600)
+            self._update(*batch)
+            return np.concatenate(_responses_of(self._log_probs(rows, lengths), rows, responses))
+
+        probing = g.probe_settings(actor)
+        probe_actor = g.with_settings(actor, probing)
+
+        def probe(gradient: list[np.ndarray]) -> np.ndarray:
+            *batch, meta = g.probe_batch(rows, responses, current, gradient, len(rows), probe_actor)
+            return update(probing, (*batch, meta))
+
+        start = np.concatenate(_responses_of(current, rows, responses))
+        worst, worst_label = 0.0, ""
+        try:
+            for settings in self.losses:
+                under = g.LossUnderTest(settings, g.with_settings(actor, settings), rows, responses, current)
+                fields, meta = under.mini_batch()
+                landed = update(settings, (rows, responses, fields, [[1] * len(r) for r in responses], meta))
+                expected = probe(under.gradient())
+                moved = float(np.abs(expected - start).max())
+                label = g.loss_label(settings, under.actor)
+                _expect(moved > 0, f"{label}: an update by verl's gradient changed no log-prob", "apply the gradients")
+                apart = float(np.abs(landed - expected).max())
+                if apart > g.GRADIENT_RTOL * moved:
+                    why = g.explain(under, landed, moved, probe)
+                    raise CheckFailed(
+                        f"{label}: the update is not verl's: the log-probs after it differ from those after verl's "
+                        f"gradient by up to {apart:.3g} (that update moved them by {moved:.3g}){why}",
+                        "apply verl's loss for the forwarder's actor config (self.config.actor, which verl builds "
+                        "each run's forwarder with): verl_remote.actor_loss on the service, or "
+                        "verl_remote.actor_loss_gradient carried by a loss the service has",
+                    )
+                if apart / moved >= worst:
+                    worst, worst_label = apart / moved, label
+        finally:
+            ray.get(self.state.worker.use_actor.remote({}), timeout=600)
+            asyncio.run(self.state.backend.load_checkpoint(3, path))
+        if len(self.losses) == 1:
+            return f"{worst_label}: verl's update within {worst:.1%} of its move"
+        return f"{len(self.losses)} losses: verl's update within {worst:.1%} of its move (the farthest: {worst_label})"
+
     def check_overlap(self) -> str:
         """overlap: while the trainer updates, the sampler keeps the weights of the last update_weights."""
         if self.state.declines is not None:
@@ -498,15 +568,43 @@ class Conformance:
         out = ray.get(self.state.worker.log_probs.remote(fields, 1.0, False, reference), timeout=600)
         return np.asarray(out["log_probs"], dtype=np.float64)
 
-    def _fields(self, rows: list[list[int]], responses: list[int]) -> dict[str, Any]:
+    def _fields(
+        self, rows: list[list[int]], responses: list[int], masks: list[list[int]] | None = None
+    ) -> dict[str, Any]:
         prompts = [r[: len(r) - n] for r, n in zip(rows, responses, strict=True)]
         answers = [r[len(r) - n :] for r, n in zip(rows, responses, strict=True)]
         return {
             "input_ids": _packed(rows, np.int64),
             "prompts": _packed(prompts, np.int64),
             "responses": _packed(answers, np.int64),
-            "response_mask": _packed([[1] * len(a) for a in answers], np.int64),
+            "response_mask": _packed(masks or [[1] * len(a) for a in answers], np.int64),
         }
+
+    def _gradient_rows(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The prompts, each with a response of 1 to 7 tokens (4 on average) of no particular meaning."""
+        from verl_remote.testing.gradient import LENGTHS
+
+        rng = np.random.default_rng(1)
+        top = max(min(self.state.vocab, 1000), 2)
+        prompts = self.state.prompts
+        responses = [rng.integers(1, top, size=LENGTHS[i % len(LENGTHS)]).tolist() for i in range(len(prompts))]
+        return [p + r for p, r in zip(prompts, responses, strict=True)], responses
+
+    def _update(
+        self,
+        rows: list[list[int]],
+        responses: list[list[int]],
+        fields: dict[str, list[list[float]]],
+        masks: list[list[int]],
+        meta: dict[str, Any],
+    ) -> None:
+        """One forward-backward pass and optimizer step on a mini-batch of these response-aligned fields."""
+        import ray
+
+        batch = self._fields(rows, [len(r) for r in responses], masks)
+        batch |= {key: _packed(value, np.float32) for key, value in fields.items()}
+        ray.get(self.state.worker.forward_backward.remote(batch, meta), timeout=600)
+        ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
 
     def _sample_rows(self, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
         import ray
@@ -591,6 +689,13 @@ class Conformance:
         """Destroy what is left (after a failed check) and remove the checkpoint folder."""
         import shutil
 
+        for host in (self.state.worker, self.state.server):
+            if host is not None:
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.kill(host, no_restart=True)
+        self.state.worker = self.state.server = None
         if "backend" in self._made:
             with contextlib.suppress(Exception):
                 asyncio.run(self.state.backend.destroy())
@@ -612,6 +717,7 @@ CHECKS: list[tuple[str, str]] = [
     ("training_step", "check_training_step"),
     ("weight_sync", "check_weight_sync"),
     ("checkpoint", "check_checkpoint"),
+    ("gradient", "check_gradient"),
     ("overlap", "check_overlap"),
     ("destroy", "check_destroy"),
 ]

@@ -37,7 +37,32 @@ class WorkerHost:
         os.environ.setdefault("MASTER_PORT", str(master_port))
         from verl_remote.discovery.registry import load_worker_class
 
-        self.worker = load_worker_class(backend_name)(worker_config, "actor_rollout")
+        worker_class = load_worker_class(backend_name)
+
+        def make(config: Any) -> Any:
+            return worker_class(config, "actor_rollout")
+
+        self._make = make
+        self._config = worker_config
+        self._workers: dict[str, Any] = {}
+        self.worker = self._make(worker_config)
+        self._workers["{}"] = self.worker
+
+    def use_actor(self, settings: dict[str, Any]) -> None:
+        """From now on, the forwarder of a run whose ``actor_rollout_ref.actor`` has ``settings`` (dotted keys)
+        on top of the checked config's: a worker of its own, as each run builds (made once per settings)."""
+        import json
+
+        from omegaconf import OmegaConf, open_dict
+
+        key = json.dumps(settings, sort_keys=True)
+        if key not in self._workers:
+            config = OmegaConf.create(OmegaConf.to_container(self._config, resolve=True))
+            with open_dict(config):
+                for name, value in settings.items():
+                    OmegaConf.update(config.actor, name, value, force_add=True)
+            self._workers[key] = self._make(config)
+        self.worker = self._workers[key]
 
     def pid(self) -> int:
         return os.getpid()

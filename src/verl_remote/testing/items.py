@@ -43,13 +43,17 @@ class _SharedRun:
     overrides: tuple[str, ...]
     expected: frozenset[str]
     atol: float | None
+    losses: Sequence[Mapping[str, Any]] | str | None = None
     results: dict[str, CheckResult] = field(default_factory=dict)
 
     def result(self, check: str) -> CheckResult:
         if not self.results:
             from verl_remote.testing import check_backend
 
-            for result in check_backend(self.name, self.overrides, atol=self.atol, expected_failures=self.expected):
+            results = check_backend(
+                self.name, self.overrides, atol=self.atol, expected_failures=self.expected, losses=self.losses
+            )
+            for result in results:
                 self.results[result.name] = result
         return self.results[check]
 
@@ -91,10 +95,11 @@ def parametrize_checks(
     *,
     expected_failures: Mapping[str, str] | None = None,
     atol: float | None = None,
+    losses: Sequence[Mapping[str, Any]] | str | None = None,
 ) -> Callable[[Any], Any]:
     """A ``pytest.mark.parametrize`` over every check of backend ``name`` (config ``remote_backend=name`` plus
     ``overrides``), its argument ``check`` a :class:`ConformanceCheck`; ``expected_failures`` maps a check's name to
-    why the backend fails it."""
+    why the backend fails it; ``losses`` as :func:`~verl_remote.testing.check_backend` takes them."""
     pytest = _pytest()
     expected = dict(expected_failures or {})
     unknown = sorted(set(expected) - set(CHECK_NAMES))
@@ -102,7 +107,7 @@ def parametrize_checks(
         raise ValueError(
             f"expected_failures names no check: {', '.join(unknown)}; the checks: {', '.join(CHECK_NAMES)}"
         )
-    run = _SharedRun(name, tuple(overrides), frozenset(expected), atol)
+    run = _SharedRun(name, tuple(overrides), frozenset(expected), atol, losses)
     params = [pytest.param(ConformanceCheck(label, run, expected.get(label)), id=label) for label in CHECK_NAMES]
     mark: Callable[[Any], Any] = pytest.mark.parametrize("check", params)
     return mark

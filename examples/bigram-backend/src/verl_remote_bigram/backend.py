@@ -14,6 +14,7 @@ from verl_remote import (
     RemoteRolloutServer,
     SampleResult,
     SamplingParams,
+    as_dict,
     pack,
     pack_fields,
     resources,
@@ -66,7 +67,10 @@ class BigramWorker(RemoteForwarderWorker):
         return unpack_like(out["log_probs"], ids), unpack_like(out["entropy"], ids)
 
     def backend_forward_backward(self, mini_batch: Any, meta: dict[str, Any]) -> dict[str, float]:
-        return self.backend.service.call("forward_backward", pack_fields(mini_batch, FIELDS), meta)
+        # The loss is the forwarder's to say (verl builds each run's forwarder with its actor config): it travels
+        # with the request, as a service is told which loss to apply.
+        loss = as_dict(self.config.actor)
+        return self.backend.service.call("forward_backward", pack_fields(mini_batch, FIELDS), {**meta, "loss": loss})
 
     def backend_optimizer_step(self) -> dict[str, float]:
         return self.backend.service.call("optimizer_step")

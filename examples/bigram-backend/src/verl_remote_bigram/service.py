@@ -2,7 +2,7 @@
 
 Stands in for your own training and sampling service. It keeps the weights, the optimizer and a frozen copy
 of the initial weights (the reference), and it answers in numpy arrays, the way a service over the network
-would. Its loss is verl's own, through verl_remote.actor_loss.
+would. Its loss is verl's own, through verl_remote.actor_loss, with the settings each request carries.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class BigramService:
         rows = to_nested(batch["input_ids"])
         jagged = torch.nested.nested_tensor_from_jagged(log_probs, rows.offsets())
         fields = {key: to_nested(value) for key, value in batch.items()}
-        loss, metrics = actor_loss(jagged, fields, meta, self.actor_config)
+        loss, metrics = actor_loss(jagged, fields, meta, meta.get("loss") or self.actor_config)
         loss.backward()
         return metrics
 

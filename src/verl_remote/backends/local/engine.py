@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -187,7 +188,9 @@ class LocalEngine:
         response-aligned ``response_mask``, ``old_log_probs``, ``advantages`` and,
         when present, ``ref_log_prob`` and ``rollout_is_weights``. ``meta`` holds
         ``temperature``, ``calculate_entropy`` and verl's global batch info
-        (``dp_size``, ``batch_num_tokens``, ``global_batch_size``).
+        (``dp_size``, ``batch_num_tokens``, ``global_batch_size``), and ``loss``: the forwarder's actor config
+        (``actor_rollout_ref.actor``, plain data), whose loss settings this update applies, as a service is sent
+        the loss with each request.
         """
         from verl_remote import actor_loss
 
@@ -200,11 +203,25 @@ class LocalEngine:
             _jagged(log_probs, layout),
             {key: to_nested(value) for key, value in batch.items()},
             meta,
-            self.actor_config,
+            self._loss_config(meta.get("loss")),
             entropy=None if entropy is None else _jagged(entropy, layout),
         )
         loss.backward()
         return metrics
+
+    def _loss_config(self, sent: dict[str, Any] | None) -> Any:
+        """verl's ActorConfig for the loss a request asks for (the engine's own when it names none), converted
+        once per distinct config."""
+        from omegaconf import OmegaConf
+        from verl.utils.config import omega_conf_to_dataclass
+
+        if sent is None:
+            return self.actor_config
+        key = json.dumps(sent, sort_keys=True, default=str)
+        cache: dict[str, Any] = self.__dict__.setdefault("_loss_configs", {})
+        if key not in cache:
+            cache[key] = omega_conf_to_dataclass(OmegaConf.create(sent))
+        return cache[key]
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, zero the gradients. Returns grad_norm and the learning rate used."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from verl_remote import RemoteForwarderWorker, pack, pack_fields, unpack_like
+from verl_remote import RemoteForwarderWorker, as_dict, pack, pack_fields, unpack_like
 from verl_remote.backends.local.backend import LocalBackend
 
 __all__ = ["LocalForwarderWorker"]
@@ -37,7 +37,12 @@ class LocalForwarderWorker(RemoteForwarderWorker):
         return unpack_like(out["log_probs"], input_ids), unpack_like(out["entropy"], input_ids)
 
     def backend_forward_backward(self, mini_batch: TensorDict, meta: dict[str, Any]) -> dict[str, float]:
-        return self.backend.forward_backward(pack_fields(mini_batch, TRAIN_FIELDS), meta)
+        # The loss travels with the request, as a service is sent it.
+        return self.backend.forward_backward(pack_fields(mini_batch, TRAIN_FIELDS), {**meta, "loss": self.loss()})
+
+    def loss(self) -> dict[str, Any]:
+        """The loss settings each update applies: this worker's actor config (``actor_rollout_ref.actor``)."""
+        return as_dict(self.config.actor)
 
     def backend_optimizer_step(self) -> dict[str, float]:
         return self.backend.optimizer_step()

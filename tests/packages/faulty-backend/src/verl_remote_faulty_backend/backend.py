@@ -104,6 +104,17 @@ class FaultyWorker(LocalForwarderWorker):
                     fp.write(json.dumps({"responses": response.tolist(), "response_mask": mask.tolist()}) + "\n")
         return super().backend_forward_backward(mini_batch, meta)
 
+    def loss(self) -> dict[str, Any]:
+        loss = super().loss()
+        if self.backend.has_defect("ignores_clip"):  # the ratio never clipped, either way
+            loss |= {"clip_ratio": 1e9, "clip_ratio_low": 1e9, "clip_ratio_high": 1e9, "clip_ratio_c": 1e10}
+        if self.backend.has_defect("per_sequence"):  # each sequence's mean, then the mean over sequences
+            per_token = loss["loss_agg_mode"] == "token-mean"
+            loss["loss_agg_mode"] = "seq-mean-token-mean" if per_token else "token-mean"
+        if self.backend.has_defect("vanilla_always"):  # whatever loss_mode says
+            loss["policy_loss"] = {**loss["policy_loss"], "loss_mode": "vanilla"}
+        return loss
+
     def backend_log_probs(
         self, data: Any, *, temperature: float, calculate_entropy: bool, reference: bool
     ) -> tuple[Any, Any]:

@@ -1,0 +1,261 @@
+"""The gradient check: the update a backend applies for a loss is the one verl's loss asks for.
+
+Nothing of a backend's service is needed but what the contract has: from one saved state (``save_checkpoint``,
+weights and optimizer), two updates are compared, each from that state (``load_checkpoint``):
+
+- **the backend's**: verl's mini-batch for the loss under test, through the forwarder of a run configured with
+  it (old log-probs off the current ones, so that clips bite; advantages of both signs; rows of 1 to 7
+  response tokens, so that aggregations differ);
+- **the probe**: the same gradient, computed here with verl's own loss
+  (:func:`verl_remote.actor_loss_gradient`: ``g_t = dL/dl_t`` at the current log-probs ``l``), carried by the
+  one loss every backend has: the vanilla policy loss at ratio 1 (``old_log_probs = l``, inside any clip) with
+  one response token per row (so that every aggregation weighs a token alike), ``advantages = -g_t`` over
+  that weight, a KL term's reference at ``l`` (where it is flat). Its gradient with respect to the model is
+  ``sum_t g_t * dl_t``: verl's. It trains through the run's own forwarder when the run's loss is vanilla, so a
+  backend that fixes its loss when it starts is probed as configured, and through one built with
+  :data:`PROBE`'s settings otherwise.
+
+Equal gradients make equal updates, whatever the optimizer does with them (Adam included: the saved state is
+the same), so the log-probs after the two updates agree; an update of another loss moves them elsewhere. The
+check names the loss, how far apart the two updates landed against how far they moved, and, when the backend's
+matches a usual mistake (the vanilla loss whatever the mode, no clip, the other aggregation), which.
+
+The entropy bonus is not a function of the log-probs, so no probe carries it: the check leaves it out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["GRADIENT_RTOL", "PROBE", "LossUnderTest", "every_loss", "loss_label"]
+
+#: How far apart the two updates may land, as a share of how far the probe moved the log-probs.
+GRADIENT_RTOL = 0.05
+
+#: The probe's loss settings: verl's vanilla policy loss per token, nothing else (the ratio is 1, inside any clip).
+PROBE: dict[str, Any] = {
+    "policy_loss.loss_mode": "vanilla",
+    "loss_agg_mode": "token-mean",
+    "use_kl_loss": False,
+    "entropy_coeff": 0.0,
+    "clip_ratio": 0.2,
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.2,
+    "clip_ratio_c": 3.0,
+}
+
+#: What the check sets besides a policy loss's name: what verl itself needs (its own errors say so), and for
+#: clip_cov, which clips a random share of its candidate tokens (``clip_cov_ratio``), a share that takes them all:
+#: the same tokens on both sides.
+NEEDS: dict[str, dict[str, Any]] = {
+    "dro": {"policy_loss.dro_beta": 0.1},
+    "clip_cov": {"policy_loss.clip_cov_ratio": 1.0},
+}
+
+#: verl's loss aggregations (verl.trainer.ppo.core_algos.agg_loss).
+AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+
+#: Old log-probs off the current ones by these (ratios of 0.61 to 1.65: a clip of 0.2 bites on some), by token.
+OFFSETS = (0.5, -0.5, 0.1, -0.1, 0.0, 0.3, -0.3)
+#: Each row's advantage, row by row.
+ADVANTAGES = (1.0, -1.0, 0.5, -1.5, 2.0, -0.5)
+#: Response lengths, row by row: 4 on average, 1 to 7.
+LENGTHS = (1, 7, 2, 6, 3, 5, 4, 4)
+
+
+def every_loss() -> list[dict[str, Any]]:
+    """Every policy loss verl has (with what it needs), every aggregation with the vanilla loss, the KL loss."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    losses = [{"policy_loss.loss_mode": mode, **NEEDS.get(mode, {})} for mode in sorted(POLICY_LOSS_REGISTRY)]
+    losses += [{"loss_agg_mode": agg} for agg in AGGREGATIONS if agg != "token-mean"]
+    losses.append({"use_kl_loss": True, "kl_loss_coef": 0.5, "kl_loss_type": "low_var_kl"})
+    return losses
+
+
+def loss_label(settings: Mapping[str, Any], actor: Any) -> str:
+    """The loss under test, in the keys that make it: the settings asked for, or the configured loss's."""
+    if not settings:
+        settings = {"policy_loss.loss_mode": actor.policy_loss.loss_mode, "loss_agg_mode": actor.loss_agg_mode}
+        if actor.use_kl_loss:
+            settings["kl_loss_type"] = actor.kl_loss_type
+    shown = {key.removeprefix("policy_loss."): value for key, value in settings.items()}
+    return ", ".join(f"{key}={value}" for key, value in shown.items())
+
+
+@dataclass
+class LossUnderTest:
+    """One loss's comparison; ``run`` is the backend's update, ``probe`` an update by a given gradient."""
+
+    settings: dict[str, Any]
+    actor: Any  # actor_rollout_ref.actor (a DictConfig) with ``settings`` applied
+    rows: list[list[int]]
+    responses: list[list[int]]
+    current: np.ndarray  # the log-probs over whole rows at the saved weights
+
+    def mini_batch(self) -> tuple[dict[str, list[list[float]]], dict[str, Any]]:
+        """The mini-batch verl would send for these rows (response-aligned fields) and its meta."""
+        now = _response_parts(self.current, self.rows, self.responses)
+        old = [[v + OFFSETS[(i + k) % len(OFFSETS)] for k, v in enumerate(row)] for i, row in enumerate(now)]
+        advantages = [[ADVANTAGES[i % len(ADVANTAGES)]] * len(r) for i, r in enumerate(self.responses)]
+        fields = {"old_log_probs": old, "advantages": advantages}
+        if bool(self.actor.use_kl_loss):
+            fields["ref_log_prob"] = [[v - OFFSETS[(i + k + 3) % len(OFFSETS)] / 2 for k, v in enumerate(row)]
+                                      for i, row in enumerate(now)]  # fmt: skip
+        meta = {
+            "temperature": 1.0,
+            "calculate_entropy": False,
+            "dp_size": 1,
+            "batch_num_tokens": sum(len(r) for r in self.responses),
+            "global_batch_size": len(self.rows),
+        }
+        return fields, meta
+
+    def gradient(self, actor: Any | None = None) -> list[np.ndarray]:
+        """``dL/dl`` of verl's loss (this one's, or ``actor``'s) on :meth:`mini_batch`, per response token."""
+        import torch
+
+        from verl_remote.kit.compute import actor_loss_gradient
+
+        fields, meta = self.mini_batch()
+        prompts = [row[: len(row) - len(r)] for row, r in zip(self.rows, self.responses, strict=True)]
+        batch = {
+            "input_ids": _nested(self.rows, torch.long),
+            "prompts": _nested(prompts, torch.long),
+            "responses": _nested(self.responses, torch.long),
+            "response_mask": _nested([[1] * len(r) for r in self.responses], torch.long),
+            **{key: _nested(value, torch.float32) for key, value in fields.items()},
+        }
+        lengths = [len(r) for r in self.rows]
+        current = _nested([list(v) for v in _split(self.current, lengths)], torch.float32)
+        gradient, _ = actor_loss_gradient(current, batch, meta, self.actor if actor is None else actor)
+        return _response_parts(gradient.values().double().numpy(), self.rows, self.responses)
+
+
+#: KL estimators whose gradient is 0 where the log-probs equal the reference's (verl's kl_penalty): a probe of a
+#: run with such a KL term sets the reference to the current log-probs.
+FLAT_KL = {"low_var_kl", "k3", "mse", "k2", "low_var_kl+", "k3+", "mse+", "k2+"}
+
+
+def probe_settings(actor: Any) -> dict[str, Any]:
+    """The settings of the forwarder the probe trains through: the run's own where its loss can carry the probe
+    (the vanilla policy loss, any aggregation, a KL term flat at the reference, so that a backend that fixes its
+    loss when it starts is probed as configured), :data:`PROBE` otherwise."""
+    kl_flat = not bool(actor.use_kl_loss) or str(actor.kl_loss_type) in FLAT_KL
+    return {} if str(actor.policy_loss.loss_mode) == "vanilla" and kl_flat else dict(PROBE)
+
+
+def probe_batch(
+    rows: list[list[int]],
+    responses: list[list[int]],
+    current: np.ndarray,
+    gradient: list[np.ndarray],
+    multiple: int,
+    actor: Any,
+) -> tuple[list[list[int]], list[list[int]], dict[str, list[list[float]]], list[list[int]], dict[str, Any]]:
+    """The probe's mini-batch for a forwarder whose actor config is ``actor``: one row per response token (its
+    prompt the tokens before it), old log-prob the current one (and the reference's, under a KL term), advantage
+    ``-g_t`` over the weight ``actor.loss_agg_mode`` gives each token of rows of one token; rows of no token (mask
+    0) pad it to a multiple of ``multiple`` rows, as many as a service may need to split it.
+
+    Returns ``(rows, responses, fields, masks, meta)``."""
+    now = _response_parts(current, rows, responses)
+    tokens = sum(len(r) for r in responses)
+    size = -(-tokens // multiple) * multiple
+    mode = str(actor.loss_agg_mode)
+    # Each token's weight in verl's agg_loss over rows of one token (dp_size 1): the horizon of
+    # seq-mean-token-sum-norm is 1, the padded width of such rows.
+    weight = {
+        "token-mean": 1.0 / tokens,
+        "token-sum": 1.0,
+        "seq-mean-token-sum": 1.0 / size,
+        "seq-mean-token-mean": 1.0 / size,
+        "seq-mean-token-sum-norm": 1.0 / (size * float(actor.get("loss_scale_factor") or 1)),
+    }[mode]
+    out_rows, out_responses, old, advantages, masks = [], [], [], [], []
+    for row, response, scores, g in zip(rows, responses, now, gradient, strict=True):
+        start = len(row) - len(response)
+        for k, token in enumerate(response):
+            out_rows.append(row[: start + k + 1])
+            out_responses.append([token])
+            old.append([float(scores[k])])
+            advantages.append([-float(g[k]) / weight])
+            masks.append([1])
+    while len(out_rows) < size:
+        out_rows.append(out_rows[0])
+        out_responses.append(out_responses[0])
+        old.append(old[0])
+        advantages.append([0.0])
+        masks.append([0])
+    fields = {"old_log_probs": old, "advantages": advantages}
+    if bool(actor.use_kl_loss):
+        fields["ref_log_prob"] = old
+    meta = {
+        "temperature": 1.0,
+        "calculate_entropy": False,
+        "dp_size": 1,
+        "batch_num_tokens": tokens,
+        "global_batch_size": size,
+    }
+    return out_rows, out_responses, fields, masks, meta
+
+
+def explain(
+    under_test: LossUnderTest, landed: np.ndarray, moved: float, probe: Callable[[list[np.ndarray]], np.ndarray]
+) -> str:
+    """Which usual mistake the backend's update matches (the log-probs after it, ``landed``), if one does: each
+    candidate is verl's gradient of another loss, sent through ``probe``."""
+    actor = under_test.actor
+    mode = str(actor.policy_loss.loss_mode)
+    candidates: list[tuple[str, dict[str, Any]]] = []
+    if mode != "vanilla":
+        candidates.append(
+            ("it trains verl's vanilla loss whatever loss_mode says", {"policy_loss.loss_mode": "vanilla"})
+        )
+    big = 1e9
+    unclipped = {"clip_ratio": big, "clip_ratio_low": big, "clip_ratio_high": big, "clip_ratio_c": big * 10}
+    candidates.append(("it does not clip the ratio", unclipped))
+    other = "seq-mean-token-mean" if str(actor.loss_agg_mode) == "token-mean" else "token-mean"
+    candidates.append((f"it aggregates as loss_agg_mode={other} does", {"loss_agg_mode": other}))
+    for said, settings in candidates:
+        after = probe(under_test.gradient(with_settings(actor, settings)))
+        if float(np.abs(landed - after).max()) <= GRADIENT_RTOL * moved:
+            return f"; {said}"
+    return ""
+
+
+def with_settings(actor: Any, settings: Mapping[str, Any]) -> Any:
+    """A copy of ``actor`` (a DictConfig) with ``settings`` (dotted keys) applied."""
+    from omegaconf import OmegaConf, open_dict
+
+    changed = OmegaConf.create(OmegaConf.to_container(actor, resolve=True))
+    with open_dict(changed):
+        for key, value in settings.items():
+            OmegaConf.update(changed, key, value, force_add=True)
+    return changed
+
+
+def _nested(rows: Sequence[Sequence[float]], dtype: Any) -> Any:
+    import torch
+
+    return torch.nested.as_nested_tensor([torch.tensor(list(r), dtype=dtype) for r in rows], layout=torch.jagged)
+
+
+def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    edges = np.cumsum([0, *lengths])
+    return [values[a:b] for a, b in itertools.pairwise(edges)]
+
+
+def _response_parts(values: np.ndarray, rows: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
+    """Each row's response part of per-token values over whole rows (response token j at n - r - 1 + j)."""
+    out, start = [], 0
+    for row, response in zip(rows, responses, strict=True):
+        n, r = len(row), len(response)
+        out.append(np.asarray(values[start + n - r - 1 : start + n - 1]))
+        start += n
+    return out

@@ -187,6 +187,10 @@ SEAMS: tuple[Seam, ...] = (
     # What backends compute with (kit/compute.py, the local engine, verl-remote-tinker's session).
     Seam("verl.workers.utils.losses:ppo_loss", "every backend's policy loss", ("config", "model_output", "data")),
     Seam("verl.utils.metric:Metric", "the loss's metrics"),
+    Seam(
+        "verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY",
+        "the policy losses the gradient check compares (verl-remote check --losses)",
+    ),
     Seam("verl.utils.config:omega_conf_to_dataclass", "verl's actor config as its dataclass", ("config",)),
     Seam("verl.workers.config.optimizer:build_optimizer", "the local engine's optimizer", ("parameters", "config")),
     Seam(

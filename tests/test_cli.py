@@ -129,6 +129,7 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
             "verl-remote train: invalid config: actor_rollout_ref.rollout.name must be 'verl_remote'",
         ),
         (["actor_rollout_ref.model.path=verl-remote://demo/nope"], "unknown demo asset 'verl-remote://demo/nope'"),
+        (["algorithm.adv_estimator=gae"], "invalid config: algorithm.adv_estimator=gae needs a critic (a value model "),
     ],
 )
 def test_train_rejects_bad_input_before_starting_anything(overrides: list[str], message: str, cli_main: Any) -> None:

@@ -152,6 +152,17 @@ def prepare_config(config: DictConfig) -> DictConfig:
             f"trainer.v1.trainer_mode must be '{MODE}' (synchronous) or '{ASYNC_MODE}' (the next step samples while "
             f"this one trains) for verl-remote (got {config.trainer.v1.trainer_mode!r})"
         )
+    if need_critic(config):
+        asked = (
+            "critic.enable=true"
+            if config.critic.get("enable")
+            else f"algorithm.adv_estimator={config.algorithm.adv_estimator}"
+        )
+        raise ConfigError(
+            f"{asked} needs a critic (a value model verl trains beside the actor), and no verl-remote backend "
+            "trains one: use an estimator that needs none (algorithm.adv_estimator=grpo, rloo, "
+            "reinforce_plus_plus, opo, gpg, grpo_passk, ...)"
+        )
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
         raise ConfigError(
             f"actor_rollout_ref.rollout.name must be '{ROLLOUT_NAME}' for verl-remote "

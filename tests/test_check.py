@@ -119,7 +119,6 @@ def _outcomes(report: str, test: str) -> dict[str, int]:
 
 
 @pytest.mark.faults
-@pytest.mark.faults
 @pytest.mark.parametrize(
     ("defect", "mode", "mistake"),
     [

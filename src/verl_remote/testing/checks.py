@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
 import os
 import pickle
@@ -21,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from verl_remote.testing.rows import responses_of as _responses_of
+from verl_remote.testing.rows import split as _split
 
 __all__ = ["CHECKS", "CheckResult", "Conformance"]
 
@@ -91,19 +93,6 @@ def _packed(rows: list[list[Any]], dtype: Any) -> Any:
     offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
     values = np.array([v for r in rows for v in r], dtype=dtype)
     return Packed(values, offsets)
-
-
-def _responses_of(values: np.ndarray, rows: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
-    """Each row's response part of per-token values over whole rows (verl_remote.kit.compute's alignment)."""
-    from verl_remote.kit.compute import response_index
-
-    picked = values[response_index([len(r) for r in rows], [len(r) for r in responses]).numpy()]
-    return _split(picked, [len(r) for r in responses])
-
-
-def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
-    edges = np.cumsum([0, *lengths])
-    return [values[a:b] for a, b in itertools.pairwise(edges)]
 
 
 class Conformance:
@@ -637,15 +626,9 @@ class Conformance:
             # The reference's log-probs here (the same numbers at the start): enough to exercise the KL term.
             fields["ref_log_prob"] = _packed(old, np.float32)
         fields["advantages"] = _packed([[a] * len(r) for a, r in zip(advantages, responses, strict=True)], np.float32)
-        tokens = sum(len(r) for r in responses)
-        meta = {
-            "temperature": 1.0,
-            "calculate_entropy": False,
-            "dp_size": 1,
-            "batch_num_tokens": tokens,
-            "global_batch_size": len(rows),
-        }
-        return fields, meta
+        from verl_remote.testing.gradient import verl_meta
+
+        return fields, verl_meta(sum(len(r) for r in responses), len(rows))
 
     @staticmethod
     def _named_actors() -> list[str]:
@@ -689,10 +672,10 @@ class Conformance:
         """Destroy what is left (after a failed check) and remove the checkpoint folder."""
         import shutil
 
+        import ray
+
         for host in (self.state.worker, self.state.server):
             if host is not None:
-                import ray
-
                 with contextlib.suppress(Exception):
                     ray.kill(host, no_restart=True)
         self.state.worker = self.state.server = None

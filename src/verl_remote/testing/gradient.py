@@ -25,12 +25,14 @@ The entropy bonus is not a function of the log-probs, so no probe carries it: th
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from verl_remote.testing.rows import responses_of as _responses_of
+from verl_remote.testing.rows import split as _split
 
 __all__ = ["GRADIENT_RTOL", "PROBE", "LossUnderTest", "every_loss", "loss_label"]
 
@@ -68,6 +70,18 @@ ADVANTAGES = (1.0, -1.0, 0.5, -1.5, 2.0, -0.5)
 LENGTHS = (1, 7, 2, 6, 3, 5, 4, 4)
 
 
+def verl_meta(tokens: int, rows: int) -> dict[str, Any]:
+    """The meta verl hands ``backend_forward_backward`` for a mini-batch of ``rows`` rows and ``tokens`` response
+    tokens, one forwarder, at temperature 1, without entropy."""
+    return {
+        "temperature": 1.0,
+        "calculate_entropy": False,
+        "dp_size": 1,
+        "batch_num_tokens": tokens,
+        "global_batch_size": rows,
+    }
+
+
 def every_loss() -> list[dict[str, Any]]:
     """Every policy loss verl has (with what it needs), every aggregation with the vanilla loss, the KL loss."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
@@ -100,21 +114,14 @@ class LossUnderTest:
 
     def mini_batch(self) -> tuple[dict[str, list[list[float]]], dict[str, Any]]:
         """The mini-batch verl would send for these rows (response-aligned fields) and its meta."""
-        now = _response_parts(self.current, self.rows, self.responses)
+        now = _responses_of(self.current, self.rows, self.responses)
         old = [[v + OFFSETS[(i + k) % len(OFFSETS)] for k, v in enumerate(row)] for i, row in enumerate(now)]
         advantages = [[ADVANTAGES[i % len(ADVANTAGES)]] * len(r) for i, r in enumerate(self.responses)]
         fields = {"old_log_probs": old, "advantages": advantages}
         if bool(self.actor.use_kl_loss):
             fields["ref_log_prob"] = [[v - OFFSETS[(i + k + 3) % len(OFFSETS)] / 2 for k, v in enumerate(row)]
                                       for i, row in enumerate(now)]  # fmt: skip
-        meta = {
-            "temperature": 1.0,
-            "calculate_entropy": False,
-            "dp_size": 1,
-            "batch_num_tokens": sum(len(r) for r in self.responses),
-            "global_batch_size": len(self.rows),
-        }
-        return fields, meta
+        return fields, verl_meta(sum(len(r) for r in self.responses), len(self.rows))
 
     def gradient(self, actor: Any | None = None) -> list[np.ndarray]:
         """``dL/dl`` of verl's loss (this one's, or ``actor``'s) on :meth:`mini_batch`, per response token."""
@@ -134,7 +141,7 @@ class LossUnderTest:
         lengths = [len(r) for r in self.rows]
         current = _nested([list(v) for v in _split(self.current, lengths)], torch.float32)
         gradient, _ = actor_loss_gradient(current, batch, meta, self.actor if actor is None else actor)
-        return _response_parts(gradient.values().double().numpy(), self.rows, self.responses)
+        return _responses_of(gradient.values().double().numpy(), self.rows, self.responses)
 
 
 #: KL estimators whose gradient is 0 where the log-probs equal the reference's (verl's kl_penalty): a probe of a
@@ -164,7 +171,7 @@ def probe_batch(
     0) pad it to a multiple of ``multiple`` rows, as many as a service may need to split it.
 
     Returns ``(rows, responses, fields, masks, meta)``."""
-    now = _response_parts(current, rows, responses)
+    now = _responses_of(current, rows, responses)
     tokens = sum(len(r) for r in responses)
     size = -(-tokens // multiple) * multiple
     mode = str(actor.loss_agg_mode)
@@ -195,14 +202,7 @@ def probe_batch(
     fields = {"old_log_probs": old, "advantages": advantages}
     if bool(actor.use_kl_loss):
         fields["ref_log_prob"] = old
-    meta = {
-        "temperature": 1.0,
-        "calculate_entropy": False,
-        "dp_size": 1,
-        "batch_num_tokens": tokens,
-        "global_batch_size": size,
-    }
-    return out_rows, out_responses, fields, masks, meta
+    return out_rows, out_responses, fields, masks, verl_meta(tokens, size)
 
 
 def explain(
@@ -244,18 +244,3 @@ def _nested(rows: Sequence[Sequence[float]], dtype: Any) -> Any:
     import torch
 
     return torch.nested.as_nested_tensor([torch.tensor(list(r), dtype=dtype) for r in rows], layout=torch.jagged)
-
-
-def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
-    edges = np.cumsum([0, *lengths])
-    return [values[a:b] for a, b in itertools.pairwise(edges)]
-
-
-def _response_parts(values: np.ndarray, rows: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
-    """Each row's response part of per-token values over whole rows (response token j at n - r - 1 + j)."""
-    out, start = [], 0
-    for row, response in zip(rows, responses, strict=True):
-        n, r = len(row), len(response)
-        out.append(np.asarray(values[start + n - r - 1 : start + n - 1]))
-        start += n
-    return out

@@ -80,6 +80,7 @@ class LocalEngine:
         self.model.train()
         self._reference: torch.nn.Module | None = None
         self.actor_config = omega_conf_to_dataclass(OmegaConf.create(actor_config))
+        self._loss_configs: dict[str, Any] = {}  # the loss settings updates carried, converted once each
         self.optimizer, self.scheduler = self._build_optimizer()
         self.weights_version = 0
         self.optimizer_steps = 0
@@ -218,10 +219,9 @@ class LocalEngine:
         if sent is None:
             return self.actor_config
         key = json.dumps(sent, sort_keys=True, default=str)
-        cache: dict[str, Any] = self.__dict__.setdefault("_loss_configs", {})
-        if key not in cache:
-            cache[key] = omega_conf_to_dataclass(OmegaConf.create(sent))
-        return cache[key]
+        if key not in self._loss_configs:
+            self._loss_configs[key] = omega_conf_to_dataclass(OmegaConf.create(sent))
+        return self._loss_configs[key]
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, zero the gradients. Returns grad_norm and the learning rate used."""

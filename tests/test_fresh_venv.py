@@ -152,7 +152,7 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         assert Version(sdk.stdout.strip()) >= Version(NEWEST_TINKER_AT_RELEASE), sdk.stdout + sdk.stderr
         checked = paste(  # on the model the server serves (the quick start's recipe trains it too)
             ".venv/bin/verl-remote check tinker remote_backend.base_url=http://127.0.0.1:8000 "
-            "actor_rollout_ref.model.path=verl-remote://demo/lora-model --losses vanilla,gspo,seq-mean-token-mean",
+            "actor_rollout_ref.model.path=verl-remote://demo/lora-model --losses gspo",
             checkout.folder,
             900,
         )
@@ -161,10 +161,11 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         # it), so the check is synchronous and says why its overlap check is not asked.
         assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
         assert checked.stdout.strip().splitlines()[-1] == "check tinker: 15 passed, 0 failed", checked.stdout[-3000:]
-        # verl's gradient through Tinker's importance-sampling loss, for a policy loss and an aggregation besides
-        # the default (every loss: docs/measurements.md, "Every loss on every backend"; each load on SkyRL's server
-        # makes a training client, seconds each).
-        assert "[ok  ] gradient: 3 losses: verl's update within " in checked.stdout, checked.stdout[-3000:]
+        # verl's gradient of a sequence-level policy loss through Tinker's importance-sampling loss, with the newest
+        # SDK (the default loss under another aggregation, against the oldest: tests/tinker_service's
+        # test_the_gradient_the_service_applies_is_verls; every loss: docs/measurements.md, "Every loss on every
+        # backend"; each loss asked loads a checkpoint, which on SkyRL's server makes a training client).
+        assert "[ok  ] gradient: loss_mode=gspo: verl's update within " in checked.stdout, checked.stdout[-3000:]
         assert re.search(
             r"\[ok  \] overlap: not asked: the backend declines overlapped runs \(SkyRL's Tinker server samples a LoRA "
             r"model from the adapter its optimizer steps",

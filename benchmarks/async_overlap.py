@@ -1,14 +1,16 @@
 """Overlapped runs (``trainer.v1.trainer_mode=remote_async``) beside synchronous ones, on each backend.
 
-For each backend, the demo is trained with the same settings in both modes, ``--seeds`` runs each (the seed
-goes to verl's data order and the backend's own seed), and the table gives, per mode, the mean step time
-(steps 2 on: the first step of an overlapped run has nothing sampled ahead; over the seeds) and the mean
-reward of the last 3 steps, with its spread over the seeds. With ``--latency S`` every HTTP request to the
-service first waits S seconds in a proxy, as a hosted service's network and queue add: what overlap exists to
-hide. The local backend is a Ray actor, not reached over HTTP: it is measured without latency only.
+For each backend, the demo is trained with the same settings in each mode (:data:`MODES`: synchronous,
+overlapped, and overlapped with the weight sync beside the next step where the backend declares it), ``--seeds``
+runs each (the seed goes to verl's data order and the backend's own seed), and the table gives, per mode, the
+mean step time (steps 2 on: the first step of an overlapped run has nothing sampled ahead; over the seeds), its
+speed-up over the synchronous runs, the mean reward of the last 3 steps with its spread over the seeds, and
+verl's trajectory_staleness/max over every step (its largest and its mean). With ``--latency S`` every HTTP
+request to the service first waits S seconds in a proxy, as a hosted service's network and queue add: what
+overlap exists to hide. The local backend is a Ray actor, not reached over HTTP: it is measured without latency only.
 
     python benchmarks/async_overlap.py [--backends local,arctic,tinker] [--steps 10] [--seeds 0,1]
-                                       [--latency 0,1.5]
+                                       [--latency 0,1.5] [--modes remote,remote_async,remote_async+bg]
 
 Arctic runs against verl-arctic's test server (its engines on separate devices: ``remote_backend.colocate=false``)
 and Tinker against SkyRL's Tinker server (``verl_remote_tinker.testing.local_server``, whose environment is
@@ -38,7 +40,16 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
-MODES = ("remote", "remote_async")
+#: What each mode of the table adds to a run. ``remote_async+bg``: overlapped, with the weight sync beside the next
+#: step (``trainer.v1.remote_async.background_weight_sync=true``), for backends that declare it (verl-arctic); a
+#: step may then train on samples two updates old.
+MODES = {
+    "remote": ["trainer.v1.trainer_mode=remote"],
+    "remote_async": ["trainer.v1.trainer_mode=remote_async"],
+    "remote_async+bg": ["trainer.v1.trainer_mode=remote_async", "trainer.v1.remote_async.background_weight_sync=true"],
+}
+#: The backends whose class declares RemoteBackend.background_weight_sync: the others sync between steps anyway.
+BACKGROUND_SYNC = {"arctic"}
 
 
 class DelayingProxy(ThreadingHTTPServer):
@@ -171,8 +182,9 @@ def metric(text: str, name: str) -> list[float]:
     return [float(part.split(":", 1)[1]) for part in text.split() if part.startswith(f"{name}:")]
 
 
-def train(folder: Path, overrides: list[str]) -> tuple[list[float], list[float]]:
-    """One run; its step times and rewards, from verl's metrics lines in the run's log."""
+def train(folder: Path, overrides: list[str]) -> tuple[list[float], list[float], list[float]]:
+    """One run; its step times, rewards and staleness (verl's trajectory_staleness/max), from verl's metrics lines
+    in the run's log."""
     folder.mkdir(parents=True)
     cli = "from verl_remote.cli.main import console_main; console_main()"
     quick = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1"]
@@ -183,7 +195,8 @@ def train(folder: Path, overrides: list[str]) -> tuple[list[float], list[float]]
     if done.returncode != 0:
         raise RuntimeError(f"run in {folder} failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
     log = sorted((folder / "ckpt" / "logs").glob("train-*.log"))[-1].read_text()
-    return metric(log, "timing_s/step"), metric(log, "critic/score/mean")
+    staleness = metric(log, "training/off_policy/trajectory_staleness/max")
+    return metric(log, "timing_s/step"), metric(log, "critic/score/mean"), staleness
 
 
 def main() -> None:
@@ -193,7 +206,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--latency", default="0,1.5", help="seconds added to each HTTP request, comma-separated")
-    parser.add_argument("--modes", default=",".join(MODES), help="trainer modes to run, comma-separated")
+    parser.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated: " + ", ".join(MODES))
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="async-overlap-"))
@@ -201,6 +214,8 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     latencies = [float(x) for x in args.latency.split(",")]
     modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"--modes: no mode {sorted(unknown)}; the modes: {', '.join(MODES)}")
     print(f"runs of {args.steps} steps, seeds {seeds}; logs under {workdir}", flush=True)
     rows = []
     for backend in args.backends.split(","):
@@ -211,42 +226,46 @@ def main() -> None:
                 try:
                     target = proxy.url if proxy else url
                     result = {
-                        mode: measure(backend, target, latency, mode, seeds, args.steps, workdir) for mode in modes
+                        mode: measure(backend, target, latency, mode, seeds, args.steps, workdir)
+                        for mode in modes
+                        if not mode.endswith("+bg") or backend in BACKGROUND_SYNC
                     }
                 finally:
                     if proxy:
                         proxy.close()
                 rows.append((backend, latency, result))
     print()
-    print("| backend | latency per request | sync s/step | async s/step | speed-up | sync last-3 reward (spread) "
-          "| async last-3 reward (spread) |")  # fmt: skip
+    print("| backend | latency per request | mode | s/step | speed-up | last-3 reward (spread) | staleness max, mean |")
     print("|---|---|---|---|---|---|---|")
     for backend, latency, result in rows:
-        if set(result) != set(MODES):
-            continue
-        (st, sr), (at, ar) = result["remote"], result["remote_async"]
-        sync_s, async_s = statistics.fmean(st), statistics.fmean(at)
-        print(f"| {backend} | {latency:g} s | {sync_s:.2f} | {async_s:.2f} | {sync_s / async_s:.2f}x "
-              f"| {statistics.fmean(sr):.3f} ({min(sr):.3f}-{max(sr):.3f}) "
-              f"| {statistics.fmean(ar):.3f} ({min(ar):.3f}-{max(ar):.3f}) |")  # fmt: skip
+        base = statistics.fmean(result["remote"][0]) if "remote" in result else None
+        for mode, (times, rewards, staleness) in result.items():
+            step_s = statistics.fmean(times)
+            speed_up = f"{base / step_s:.2f}x" if base else "-"
+            print(f"| {backend} | {latency:g} s | {mode} | {step_s:.2f} | {speed_up} "
+                  f"| {statistics.fmean(rewards):.3f} ({min(rewards):.3f}-{max(rewards):.3f}) "
+                  f"| {max(staleness):g}, {statistics.fmean(staleness):.2f} |")  # fmt: skip
 
 
 def measure(
     backend: str, url: str | None, latency: float, mode: str, seeds: list[int], steps: int, workdir: Path
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float]]:
     """Runs of one mode, one per seed: each run's mean step time from step 2 (its steps may alternate between
-    short and long ones, so the mean, not the median, is what the run's length says) and last-3 mean reward."""
-    times, rewards = [], []
+    short and long ones, so the mean, not the median, is what the run's length says), last-3 mean reward, and
+    the staleness of every step of every run (verl's trajectory_staleness/max)."""
+    times, rewards, staleness = [], [], []
     for seed in seeds:
         folder = workdir / f"{backend}-{latency:g}s-{mode}-{seed}"
-        overrides = [*backend_overrides(backend, url), *seed_overrides(backend, seed)]
-        step_s, reward = train(
-            folder, [*overrides, f"trainer.v1.trainer_mode={mode}", f"trainer.total_training_steps={steps}"]
-        )
+        overrides = [*backend_overrides(backend, url), *seed_overrides(backend, seed), *MODES[mode]]
+        step_s, reward, stale = train(folder, [*overrides, f"trainer.total_training_steps={steps}"])
         times.append(statistics.fmean(step_s[1:]))
         rewards.append(statistics.fmean(reward[-3:]))
-        print(f"  {folder.name}: {times[-1]:.2f} s/step, last-3 reward {rewards[-1]:.3f}", flush=True)
-    return times, rewards
+        staleness.extend(stale)
+        print(
+            f"  {folder.name}: {times[-1]:.2f} s/step, last-3 reward {rewards[-1]:.3f}, staleness max {max(stale):g}",
+            flush=True,
+        )
+    return times, rewards, staleness
 
 
 @contextmanager

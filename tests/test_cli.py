@@ -130,6 +130,11 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         ),
         (["actor_rollout_ref.model.path=verl-remote://demo/nope"], "unknown demo asset 'verl-remote://demo/nope'"),
         (["algorithm.adv_estimator=gae"], "invalid config: algorithm.adv_estimator=gae needs a critic (a value model "),
+        (
+            ["algorithm.adv_estimator=remax"],
+            "invalid config: algorithm.adv_estimator=remax needs a greedy baseline sample of every prompt, which "
+            "verl's V1 trainer does not make: use one that needs only the rewards (algorithm.adv_estimator=grpo, ",
+        ),
     ],
 )
 def test_train_rejects_bad_input_before_starting_anything(overrides: list[str], message: str, cli_main: Any) -> None:

@@ -304,7 +304,8 @@ def test_remote_async_samples_the_next_step_during_this_one_stops_on_sigterm_and
 ) -> None:
     """``trainer.v1.trainer_mode=remote_async`` on the local engine (through the faulty backend, which records
     its lifecycle calls): the first step trains on samples of the initial weights, every later one on samples at
-    most one update old, verl's staleness bound (``max_off_policy_threshold=2``) holding. SIGTERM after step 2
+    most one update old, verl's staleness bound (``max_off_policy_threshold=2``) holding, and verl's rollout
+    correction weighting the older samples (importance weights 1 on the first step's only). SIGTERM after step 2
     (which the driver raises as Ctrl-C's KeyboardInterrupt: both stops take one path, tested synchronous in
     the tests above) destroys the backend once with the next step's samples in flight; the resumed run restores verl's
     TransferQueue state from the step-2 checkpoint and trains on nothing sampled from weights newer than it, until
@@ -314,10 +315,22 @@ def test_remote_async_samples_the_next_step_during_this_one_stops_on_sigterm_and
     overlapped = [
         "remote_backend=faulty", f"remote_backend.calls_log={calls}", "trainer.save_freq=2",
         "trainer.v1.trainer_mode=remote_async",
+        "algorithm.adv_estimator=rloo",  # an estimator other than the default (tests/test_estimators.py)
     ]  # fmt: skip
-    proc = start(tmp_path, *overlapped, "remote_backend.hold_after_save_s=30", "trainer.total_training_steps=4")
+    # It asks for the weight sync beside the next step, which a backend that does not declare it ignores, saying so.
+    sync_beside = "trainer.v1.remote_async.background_weight_sync=true"
+    # verl's rollout correction (token-level importance weights, trainer over sampler) applies to the stale samples.
+    corrected = "algorithm.rollout_correction.rollout_is=token"
+    proc = start(
+        tmp_path, *overlapped, sync_beside, corrected, "remote_backend.hold_after_save_s=30",
+        "trainer.total_training_steps=4",
+    )  # fmt: skip
     code, output = _stop_at(proc, step_row(2), signal.SIGTERM)
     assert code == 143, output[-3000:]
+    assert (
+        "verl-remote: backend 'faulty' syncs its weights between steps (it does not declare background_weight_sync): "
+        f"{sync_beside} changes nothing"
+    ) in output
     assert "verl-remote: terminated (SIGTERM); destroying the backend" in output
     assert last_line(output) == "verl-remote train: terminated by SIGTERM"
     assert "cannot sample while it trains" not in output
@@ -331,7 +344,12 @@ def test_remote_async_samples_the_next_step_during_this_one_stops_on_sigterm_and
     assert metric(log, "training/rollout_probs_diff_max")[0] < 1e-4
     # Step 2 on samples taken while step 1 trained, from the weights before its update.
     assert metric(log, f"{STALENESS}/max")[1] == 1, log[-3000:]
+    # The importance weights: 1 where the samples are the trained weights' (step 1), not where they are older.
+    highest, lowest = metric(log, "rollout_corr/rollout_is_max"), metric(log, "rollout_corr/rollout_is_min")
+    assert abs(highest[0] - 1) < 1e-3 and abs(lowest[0] - 1) < 1e-3, (highest, lowest)
+    assert highest[1] - lowest[1] > 1e-3, (highest, lowest)
     assert (tmp_path / "ckpt" / "global_step_2" / "transfer_queue").is_dir()  # the prompts in flight at the save
+    assert "'adv_estimator': 'rloo'" in log
 
     # Resumed, until its sampler fails every request from step 5 on (the first 128 succeed: steps 3 and 4), as a
     # dead service's does: verl's overlapped replay buffer evicts the failed groups and resubmits their prompts,

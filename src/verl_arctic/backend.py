@@ -242,7 +242,8 @@ class ArcticBackend(RemoteBackend):
         # Arctic runs its own data parallelism: one caller per mini-batch, one optimizer step each.
         return True
 
-    #: Overlapped runs (separate engines) sync beside the next step: Arctic's weight sync reads the training
+    #: Overlapped runs (separate engines) may sync beside the next step, where the run asks
+    #: (trainer.v1.remote_async.background_weight_sync=true): Arctic's weight sync reads the training
     #: job's weights, and calls to the training job queue behind it on its workers (plain Ray actors, one call at
     #: a time: arctic-platform 0.1.4 common/deepspeed_worker.py:110-111).
     background_weight_sync = True

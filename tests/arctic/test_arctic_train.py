@@ -73,7 +73,12 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     port = free_port()
     ckpt = tmp_path / "ckpt"
     log = tmp_path / "server.log"
-    arctic = ["remote_backend=arctic", f"remote_backend.comms.url=http://127.0.0.1:{port}", "trainer.save_freq=2"]
+    # REINFORCE++ rather than GRPO: an estimator other than the default trains through verl-arctic
+    # (tests/test_estimators.py: every estimator verl's V1 trainer can feed).
+    arctic = [
+        "remote_backend=arctic", f"remote_backend.comms.url=http://127.0.0.1:{port}", "trainer.save_freq=2",
+        "algorithm.adv_estimator=reinforce_plus_plus",
+    ]  # fmt: skip
     with arctic_process("main", log, port=port) as url:
         proc = start(tmp_path, *KL_RECIPE, *arctic, *two_turn(), "trainer.total_training_steps=4")
         seen = "".join(read_until(proc, step_row(2)))
@@ -81,6 +86,7 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
         proc.send_signal(signal.SIGTERM)
         rest = finish(proc, timeout=300)
         _assert_trained_two_kl_steps(seen, ckpt, "main")
+        assert "'adv_estimator': 'reinforce_plus_plus'" in run_log(ckpt)
         assert_two_turn_run(run_log(ckpt), steps=2)  # each turn's text-in request: the trainer's tokens
         assert proc.returncode == 143, rest[-3000:]
         assert last_line(rest) == "verl-remote train: terminated by SIGTERM"
@@ -106,12 +112,20 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
         assert set(arctic_jobs(url)) == {str(job) for job in left["jobs"].values()}  # still held on the service
 
         # Overlapped (separate engines): it samples each next step while this one trains, resuming a synchronous
-        # run's checkpoint, until the service dies.
-        overlapped = ["trainer.v1.trainer_mode=remote_async", "remote_backend.colocate=false"]
+        # run's checkpoint, until the service dies; its weight sync beside the next step, as it asks.
+        overlapped = [
+            "trainer.v1.trainer_mode=remote_async", "remote_backend.colocate=false",
+            "trainer.v1.remote_async.background_weight_sync=true",
+        ]  # fmt: skip
         proc = start(tmp_path, *arctic, *overlapped, "trainer.total_training_steps=20")
         cleaned = "".join(read_until(proc, step_row(6)))
         assert steps(cleaned) == [5, 6]
         assert "cannot sample while it trains" not in cleaned
+        assert (
+            "verl-remote: the weight sync runs beside the next step (trainer.v1.remote_async.background_weight_sync="
+            "true): a step may train on samples two updates old (verl's training/off_policy/trajectory_staleness up "
+            "to 2)"
+        ) in cleaned
         for kind, job in left["jobs"].items():
             assert f"destroyed {kind} job {job} on {url}, left by a run that did not end cleanly" in cleaned
         assert not set(arctic_jobs(url)) & {str(job) for job in left["jobs"].values()}  # gone from the service
@@ -133,6 +147,7 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     assert left_behind(tmp_path) == {}
     staleness = metric(run_log(ckpt), "training/off_policy/trajectory_staleness/max")
     assert staleness[:2] == [0, 1], staleness  # step 5 on the resumed weights' samples, step 6 on step 5's
+    assert max(staleness) <= 2, staleness
     # The weight sync ran beside the next step (background_weight_sync): that step logs the sync's own time and
     # the part of it the step waited for.
     took = metric(run_log(ckpt), "timing_s/update_weights")

@@ -344,7 +344,7 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
         limited.inject(Fault("/api/v1/asample", 429, headers={"Retry-After": "1"}, body={"detail": "Rate limit"}))
         first = train(
             tmp_path, *_tinker(limited.url), *two_turn(), "trainer.total_training_steps=2", "trainer.save_freq=2",
-            "trainer.v1.trainer_mode=remote_async", env=SECRET,
+            "trainer.v1.trainer_mode=remote_async", "algorithm.adv_estimator=grpo_passk", env=SECRET,
         )  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     declined = [line for line in first.stdout.splitlines() if "cannot sample while it trains" in line]
@@ -360,6 +360,7 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert f"verl-remote-tinker: the service at {limited.url} paused requests (asample) (HTTP 429" in paused[0]
     # Where the time went: each step's waits on the service and their share of verl's time for the phase.
     log = run_log(tmp_path / "ckpt")
+    assert "'adv_estimator': 'grpo_passk'" in log  # an estimator other than the default (tests/test_estimators.py)
     for phase in ("gen", "old_log_prob", "update_actor", "update_weights"):
         waited, share = metric(log, f"service/wait_s/{phase}"), metric(log, f"service/wait_share/{phase}")
         assert len(waited) == 2 and all(w > 0 for w in waited), (phase, waited)

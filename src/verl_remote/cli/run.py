@@ -143,7 +143,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
+    from verl_remote.integration.names import ASYNC_MODE, ESTIMATORS_V1_CANNOT_FEED, MODE, ROLLOUT_NAME
 
     if config.get("remote_backend") is None:
         raise ConfigError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
@@ -162,6 +162,12 @@ def prepare_config(config: DictConfig) -> DictConfig:
             f"{asked} needs a critic (a value model verl trains beside the actor), and no verl-remote backend "
             "trains one: use an estimator that needs none (algorithm.adv_estimator=grpo, rloo, "
             "reinforce_plus_plus, opo, gpg, grpo_passk, ...)"
+        )
+    estimator = str(config.algorithm.adv_estimator)
+    if estimator in ESTIMATORS_V1_CANNOT_FEED:
+        raise ConfigError(
+            f"algorithm.adv_estimator={estimator} needs {ESTIMATORS_V1_CANNOT_FEED[estimator]}: use one that needs "
+            "only the rewards (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, opo, gpg, grpo_passk, ...)"
         )
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
         raise ConfigError(

@@ -49,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.single_controller.ray.base import RayResourcePool, ResourcePoolManager
 from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.ppo.utils import Role
@@ -144,8 +144,9 @@ class RemotePPOTrainer(PPOTrainerSync):
             self.overlap = False
         with open_dict(config):
             config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
-        #: The weight sync runs beside the next step (RemoteBackend.background_weight_sync); the one in flight.
-        self.background_sync = self.overlap and backend_class.background_weight_sync
+        #: The weight sync runs beside the next step, where the run asks and the backend can
+        #: (RemoteBackend.background_weight_sync); the one in flight.
+        self.background_sync = self.overlap and self._background_sync_asked(config, backend_class)
         self._sync: Future[float] | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self.backend: RemoteBackend = backend_class.from_config(config)
@@ -155,6 +156,28 @@ class RemotePPOTrainer(PPOTrainerSync):
         except BaseException:
             self.destroy_backend()
             raise
+
+    def _background_sync_asked(self, config: DictConfig, backend_class: type[RemoteBackend]) -> bool:
+        """``trainer.v1.remote_async.background_weight_sync``: off by default, so that a step trains on samples at
+        most one update old (verl's trajectory_staleness 1); on, the sync of a backend that declares it runs beside
+        the next step, whose requests may then start on the weights before, two updates old when they train. Said
+        in one line either way."""
+        key = f"trainer.v1.{ASYNC_MODE}.background_weight_sync"
+        if not bool(OmegaConf.select(config, key, default=False)):
+            return False
+        if not backend_class.background_weight_sync:
+            print(
+                f"verl-remote: backend '{self.backend_name}' syncs its weights between steps (it does not declare "
+                f"background_weight_sync): {key}=true changes nothing",
+                flush=True,
+            )
+            return False
+        print(
+            f"verl-remote: the weight sync runs beside the next step ({key}=true): a step may train on samples two "
+            "updates old (verl's training/off_policy/trajectory_staleness up to 2)",
+            flush=True,
+        )
+        return True
 
     #: Seconds between verl's checks that a step's samples are in. verl's replay buffer waits 2 s between
     #: checks, so every step's generation took a multiple of 2 s however fast the service sampled

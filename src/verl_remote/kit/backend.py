@@ -125,7 +125,9 @@ class RemoteBackend(abc.ABC):
         return None
 
     #: Whether an overlapped run may go on with its next step while :meth:`update_weights` runs (default
-    #: False). The trainer then calls it in a thread of its own, on the instance :meth:`create` returned; the
+    #: False). A run that asks for it (``trainer.v1.remote_async.background_weight_sync=true``; off by default,
+    #: as its steps may then train on samples two updates old) calls it in a thread of its own, on the instance
+    #: :meth:`create` returned; the
     #: next step's log-prob calls run beside it, and the step's update, a checkpoint, a validation and the next
     #: sync wait until it returns (its error stops the run there). The rollout replicas learn the new weights
     #: version only once it has returned, so a request that started before is tagged with the older one.

@@ -43,13 +43,12 @@ HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep
 #: What each mode of the table adds to a run. ``remote_async+bg``: overlapped, with the weight sync beside the next
 #: step (``trainer.v1.remote_async.background_weight_sync=true``), for backends that declare it (verl-arctic); a
 #: step may then train on samples two updates old.
+SYNC_BESIDE = "trainer.v1.remote_async.background_weight_sync=true"
 MODES = {
     "remote": ["trainer.v1.trainer_mode=remote"],
     "remote_async": ["trainer.v1.trainer_mode=remote_async"],
-    "remote_async+bg": ["trainer.v1.trainer_mode=remote_async", "trainer.v1.remote_async.background_weight_sync=true"],
+    "remote_async+bg": ["trainer.v1.trainer_mode=remote_async", SYNC_BESIDE],
 }
-#: The backends whose class declares RemoteBackend.background_weight_sync: the others sync between steps anyway.
-BACKGROUND_SYNC = {"arctic"}
 
 
 class DelayingProxy(ThreadingHTTPServer):
@@ -173,6 +172,14 @@ def backend_overrides(backend: str, url: str | None) -> list[str]:
             "remote_backend.snapshot_sampling=true"]  # fmt: skip
 
 
+def syncs_beside(backend: str) -> bool:
+    """Whether the backend's class declares RemoteBackend.background_weight_sync (the others sync between steps
+    whatever the run asks: a ``+bg`` mode would measure ``remote_async`` again)."""
+    from verl_remote.discovery.registry import load_backend_class
+
+    return bool(load_backend_class(backend).background_weight_sync)
+
+
 def seed_overrides(backend: str, seed: int) -> list[str]:
     own = {"local": "remote_backend.seed", "arctic": None, "tinker": "remote_backend.lora_seed"}[backend]
     return [f"data.seed={seed}"] + ([f"{own}={seed}"] if own else [])
@@ -228,7 +235,7 @@ def main() -> None:
                     result = {
                         mode: measure(backend, target, latency, mode, seeds, args.steps, workdir)
                         for mode in modes
-                        if not mode.endswith("+bg") or backend in BACKGROUND_SYNC
+                        if SYNC_BESIDE not in MODES[mode] or syncs_beside(backend)
                     }
                 finally:
                     if proxy:

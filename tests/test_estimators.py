@@ -12,6 +12,7 @@ local backend (tests/test_train.py), reinforce_plus_plus on Arctic's test server
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -61,9 +62,16 @@ def _run_config(*overrides: str) -> Any:
     return compose_config(["remote_backend=local", *overrides], recipe="demo")
 
 
+@pytest.fixture(scope="module")
+def run_config() -> Any:
+    """The demo run's config, composed once for the module (each test sets its estimator on a copy)."""
+    return _run_config()
+
+
 @pytest.mark.parametrize("estimator", sorted(set(ADV_ESTIMATOR_REGISTRY) - {"gae"}))
-def test_every_estimator_runs_on_the_rewards_alone_or_is_the_one_refused(estimator: str) -> None:
-    config = _run_config(f"algorithm.adv_estimator={estimator}")
+def test_every_estimator_runs_on_the_rewards_alone_or_is_the_one_refused(estimator: str, run_config: Any) -> None:
+    config = copy.deepcopy(run_config)
+    config.algorithm.adv_estimator = estimator
     data, keys = _step_input()
     try:
         out = compute_advantage_for_multi_trajectories(

@@ -135,6 +135,10 @@ def _here(value: str) -> bool:
     return "://" not in value and not os.path.isabs(value) and os.path.exists(os.path.expanduser(value))
 
 
+#: The estimators a refused one may be replaced with: verl's that need only the rewards (tests/test_estimators.py).
+ESTIMATORS_ON_REWARDS = "algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, opo, gpg, grpo_passk, ..."
+
+
 def prepare_config(config: DictConfig) -> DictConfig:
     """Demo assets, verl's own validation, and the settings verl-remote cannot run without."""
     from verl_remote.discovery.compat import require_supported_verl
@@ -160,14 +164,13 @@ def prepare_config(config: DictConfig) -> DictConfig:
         )
         raise ConfigError(
             f"{asked} needs a critic (a value model verl trains beside the actor), and no verl-remote backend "
-            "trains one: use an estimator that needs none (algorithm.adv_estimator=grpo, rloo, "
-            "reinforce_plus_plus, opo, gpg, grpo_passk, ...)"
+            f"trains one: use an estimator that needs none ({ESTIMATORS_ON_REWARDS})"
         )
     estimator = str(config.algorithm.adv_estimator)
     if estimator in ESTIMATORS_V1_CANNOT_FEED:
         raise ConfigError(
             f"algorithm.adv_estimator={estimator} needs {ESTIMATORS_V1_CANNOT_FEED[estimator]}: use one that needs "
-            "only the rewards (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, opo, gpg, grpo_passk, ...)"
+            f"only the rewards ({ESTIMATORS_ON_REWARDS})"
         )
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
         raise ConfigError(

@@ -17,12 +17,13 @@ ROLLOUT_NAME = "verl_remote"  # actor_rollout_ref.rollout.name
 #: advantage step passes an estimator the rewards, masks, group ids and log-probs only (verl 0.9.1
 #: trainer/ppo/v1/trainer_base.py, ``_compute_advantage``). tests/test_estimators.py runs every registered
 #: estimator through that step, so this list cannot drift from verl's. GAE, which needs a critic, is refused apart.
+_SUM_PI_SQUARED = (
+    "the actor's per-token sum of squared probabilities (sum_pi_squared), which verl's V1 trainer does not pass to it"
+)
 ESTIMATORS_V1_CANNOT_FEED = {
     "remax": "a greedy baseline sample of every prompt, which verl's V1 trainer does not make",
-    "optimal_token_baseline": "the actor's per-token sum of squared probabilities (sum_pi_squared), which verl's V1 "
-    "trainer does not pass to it",
-    "tir_optimal_token_baseline": "the actor's per-token sum of squared probabilities (sum_pi_squared), which verl's "
-    "V1 trainer does not pass to it",
+    "optimal_token_baseline": _SUM_PI_SQUARED,
+    "tir_optimal_token_baseline": _SUM_PI_SQUARED,
     "gdpo": "each reward component apart (algorithm.gdpo_reward_keys), which verl's V1 trainer does not pass to it",
 }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,25 @@ def test_once_the_run_is_stopping_only_our_lines_are_shown(monkeypatch: pytest.M
     assert out.getvalue() == ""
     assert err.getvalue() == "verl-remote: interrupted; destroying the backend ...\n"
     assert "ActorDiedError" in (tmp_path / "run.log").read_text()  # the log still has everything
+
+
+def test_a_line_one_thread_has_begun_does_not_take_in_anothers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The TaskRunner's thread draws verl's progress bar (a line it ends only when the bar closes) while Ray's log
+    thread forwards the workers' lines to the same stream: each thread's line stays its own."""
+    console, _out, err = _console(monkeypatch)
+    console.open_log(tmp_path / "run.log")
+    bar = threading.Thread(target=lambda: sys.stderr.write("\rTraining Progress:  25%|##5       | 2/8"))
+    bar.start()
+    bar.join()
+    said = "verl-remote: global_profiler.steps asks for a profile"
+    print(f"{RAY}WARNING:2026-12-05 17:36:07,288:{said}", file=sys.stderr)
+    console.uninstall()
+    assert err.getvalue() == f"{said}\n"
+    log = (tmp_path / "run.log").read_text().splitlines()
+    assert [line.split(" ", 1)[1] for line in log] == [
+        f"(RemoteTaskRunner pid=11066) WARNING:2026-12-05 17:36:07,288:{said}",
+        "Training Progress:  25%|##5       | 2/8",
+    ]
 
 
 def test_a_step_line_reads_as_numbers() -> None:

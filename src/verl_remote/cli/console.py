@@ -170,7 +170,9 @@ class _Stream(io.TextIOBase):
     def __init__(self, console: Console, original: IO[str]) -> None:
         self._console = console
         self._original = original
-        self._partial = ""
+        # The line each thread has begun: Ray's log thread forwards the workers' lines while the TaskRunner's
+        # thread prints its own (verl's progress bar redraws a line it ends only when it closes).
+        self._partials: dict[int, str] = {}
 
     # What callers ask of a standard stream.
     @property
@@ -191,9 +193,11 @@ class _Stream(io.TextIOBase):
         if not self._console.active:
             return self._original.write(text)
         with self._console.lock:
-            lines = (self._partial + text).split("\n")
-            self._partial = lines.pop()
-            for line in lines:
+            thread = threading.get_ident()
+            lines = (self._partials.pop(thread, "") + text).split("\n")
+            if lines[-1]:
+                self._partials[thread] = lines[-1]
+            for line in lines[:-1]:
                 self._console.line(line, self)
         return len(text)
 
@@ -201,8 +205,8 @@ class _Stream(io.TextIOBase):
         self._original.flush()
 
     def drain(self) -> None:
-        if self._partial:
-            partial, self._partial = self._partial, ""
+        partials, self._partials = self._partials, {}
+        for partial in partials.values():
             self._console.line(partial, self)
 
 
@@ -355,6 +359,12 @@ class Console:
             self._draw_progress(step_line(fields, shutil.get_terminal_size().columns - 1), stream)
         else:  # a validation before training, or not a terminal: a line of its own
             self._to_console(step_line(fields), stream)
+
+    def log_only(self, text: str) -> None:
+        """Lines for the log file alone (a failed run's traceback)."""
+        with self.lock:
+            for line in text.rstrip("\n").splitlines():
+                self._to_log(_ANSI.sub("", line))
 
     def _to_log(self, plain: str) -> None:
         if _STEP.search(plain):

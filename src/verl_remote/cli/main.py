@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         except Exception as exc:
             if args.traceback:
                 raise
+            console.log_only("".join(traceback.format_exception(exc)))
             _report_end(console, config, summary)
             print(f"verl-remote: the full output of this run is in {console.log_path}", file=sys.stderr)
             print(f"verl-remote train: the run failed: {_failure(exc, console)}", file=sys.stderr)

@@ -1,9 +1,13 @@
 """``verl-remote train``: prepare the composed config and run verl's trainer on the backend.
 
 The driver does what verl's ``run_ppo`` does (start Ray with verl's runtime
-environment, run the TaskRunner actor) and two things it cannot: on Ctrl-C it
-asks the TaskRunner to destroy the backend before Ray is torn down, and it
-returns the run's reward history for the final summary line.
+environment, run the TaskRunner) and two things it cannot: on Ctrl-C it asks the
+TaskRunner to destroy the backend before Ray is torn down, and it returns the
+run's reward history for the final summary line. The TaskRunner runs in a thread
+of the driver, not in an actor of its own as under verl's launcher: the driver
+has verl imported already, and a process more would import it again before the
+first step (about 7 s on 2 cores). Its environment is the workers' (the runtime
+environment's variables).
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
-import uuid
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -117,8 +122,8 @@ def _terminate(signum: int, frame: Any) -> None:
 
 _TERMINATED = False
 LOG_DRAIN_S = 1.5
-#: How long a stopped or failed run's driver waits for its TaskRunner's summary.
-SUMMARY_TIMEOUT_S = 10.0
+#: How long a stopped run's driver waits for its TaskRunner's loop to end, before and after Ray is shut down.
+RUNNER_STOP_S = 10.0
 
 
 #: Keys whose value may be a local path the run's processes read: made absolute against the user's directory.
@@ -223,16 +228,50 @@ def _ray_init(config: DictConfig) -> None:
     # verl's file logger writes relative to its process's directory: make it the user's.
     env_vars = runtime_env.setdefault("env_vars", {})
     env_vars.setdefault("VERL_FILE_LOGGER_ROOT", os.getcwd())
-    ray.init(runtime_env=OmegaConf.to_container(runtime_env), **ray_init)
+    plain: dict[str, Any] = OmegaConf.to_container(runtime_env)  # type: ignore[assignment]
+    ray.init(runtime_env=plain, **ray_init)
+    # The TaskRunner runs here: it sees the variables Ray sets in every worker (a backend's token, say), as an
+    # actor of its own would. After Ray's own processes started, which keep the driver's environment.
+    for key, value in (plain.get("env_vars") or {}).items():
+        os.environ[str(key)] = str(value)
+
+
+class _RunnerThread(threading.Thread):
+    """The TaskRunner's ``run`` in a thread of the driver, whose main thread stays free for Ctrl-C and SIGTERM.
+
+    A daemon: a run stopped mid-step leaves it blocked in a call to a Ray that is shut down, which must not hold
+    the interpreter's exit."""
+
+    def __init__(self, runner: Any, config: DictConfig) -> None:
+        super().__init__(name="verl_remote_runner", daemon=True)
+        self._runner = runner
+        self._config = config
+        self.summary: RunSummary | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.summary = self._runner.run(self._config)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            self.error = exc
+            # What verl's loop held goes now, while the run's console sorts what it prints: its progress bar,
+            # which verl leaves open on an error, prints itself once more when it is collected.
+            traceback.clear_frames(exc.__traceback__)
+
+    def result(self) -> RunSummary:
+        """Wait for the run (Ctrl-C and SIGTERM reach the waiting main thread), then its summary or its error."""
+        while self.is_alive():
+            self.join(timeout=1.0)
+        if self.error is not None:
+            raise self.error
+        assert self.summary is not None
+        return self.summary
 
 
 def _summary_so_far(runner: Any, report: RunSummary) -> None:
-    """The summary of a run that did not finish, from its TaskRunner; nothing when Ray no longer answers (the
-    console's step rows stand in then)."""
-    import ray
-
+    """The summary of a run that did not finish, as far as its trainer came."""
     with contextlib.suppress(Exception):
-        report.take(ray.get(runner.summary.remote(), timeout=SUMMARY_TIMEOUT_S))
+        report.take(runner.summary())
 
 
 def run(config: DictConfig, report: RunSummary) -> None:
@@ -271,11 +310,13 @@ def _run(config: DictConfig, report: RunSummary) -> None:
     # A shell starts background jobs with SIGINT ignored, and Python then keeps it so: a run stops on SIGINT
     # however it was started.
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    thread: _RunnerThread | None = None
     try:
-        runner = RemoteTaskRunner.options(name=f"verl_remote_runner_{uuid.uuid4().hex[:8]}", max_concurrency=2).remote()
-        result = runner.run.remote(config)
+        runner = RemoteTaskRunner()
+        thread = _RunnerThread(runner, config)
+        thread.start()
         try:
-            report.take(ray.get(result))
+            report.take(thread.result())
         except KeyboardInterrupt:
             # A second signal while the backend shuts down would leave it running: ignore it.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -288,7 +329,7 @@ def _run(config: DictConfig, report: RunSummary) -> None:
             what = "terminated (SIGTERM)" if _TERMINATED else "interrupted"
             print(f"\nverl-remote: {what}; destroying the backend ...", file=sys.stderr, flush=True)
             try:
-                ray.get(runner.destroy_backend.remote(), timeout=300)
+                runner.destroy_backend()  # the loop, mid-step in its thread, makes no further call to it
             except Exception as exc:
                 print(f"verl-remote: destroying the backend failed: {exc}", file=sys.stderr)
             _summary_so_far(runner, report)
@@ -302,7 +343,11 @@ def _run(config: DictConfig, report: RunSummary) -> None:
         # Ray forwards the workers' output a moment after they write it: their last lines (the backend's
         # shutdown) would be lost to a shutdown right away.
         with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C now must not skip the shutdown
+            if thread is not None:  # a stopped run's loop ends at its next call to the destroyed backend
+                thread.join(timeout=RUNNER_STOP_S)
             time.sleep(LOG_DRAIN_S)
         ray.shutdown()
+        if thread is not None:  # what it still waited on fails now: it ends while the console sorts its output
+            thread.join(timeout=RUNNER_STOP_S)
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_interrupt)

@@ -29,7 +29,5 @@ ESTIMATORS_V1_CANNOT_FEED = {
 
 #: Who launched the run whose trainer is built in this context: "cli" (``verl-remote train``, through
 #: ``RemoteTaskRunner``) or "verl" (verl's own launcher, ``python -m verl.trainer.main_ppo``, or ``ray job submit``
-#: of it). Set by the runner around verl's ``run``, which builds the trainer in the same thread. It lives here, in a
-#: module the runner's code reaches by reference: Ray pickles the runner's class by value, and a ContextVar does not
-#: pickle.
+#: of it). Set by the runner around verl's ``run``, which builds the trainer in the same thread.
 LAUNCHER: ContextVar[str] = ContextVar("verl_remote_launcher", default="verl")

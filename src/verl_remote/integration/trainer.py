@@ -416,12 +416,12 @@ class RemotePPOTrainer(PPOTrainerSync):
         asyncio.run(self.backend.destroy())
 
 
-@ray.remote
 class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """verl's V1 TaskRunner that registers verl-remote's replica and always destroys the backend.
 
-    Started with ``max_concurrency=2`` by the CLI, so that ``destroy_backend``
-    can run while ``run`` is still busy (Ctrl-C on the driver).
+    ``verl-remote train`` runs it in a thread of its own process, which has verl imported already (verl's launcher
+    starts a Ray actor for it, one more process importing verl before the run's first step). The CLI's main
+    thread waits for ``run`` and, on Ctrl-C, calls ``destroy_backend`` while ``run`` may still be mid-step.
     """
 
     def run(self, config: DictConfig) -> RunSummary:

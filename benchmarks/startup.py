@@ -43,6 +43,8 @@ STEP_ROW = re.compile(r"^step (\d+)/(\d+)\s.*reward ")
 #: Ray's own processes, by what their command line holds.
 RAY_OWN = ("gcs_server", "raylet", "dashboard", "monitor.py", "log_monitor", "DashboardAgent", "RuntimeEnvAgent")
 SAMPLE_S = 0.2
+#: The command of this interpreter's environment.
+VERL_REMOTE = os.path.join(os.path.dirname(sys.executable), "verl-remote")
 
 
 @dataclass
@@ -103,7 +105,7 @@ def _watch(root: psutil.Process, run: Run, began: float, done: threading.Event) 
 def run_once(steps: int, overrides: list[str]) -> Run:
     run = Run()
     with tempfile.TemporaryDirectory(prefix="verl-remote-startup-") as folder:
-        command = ["verl-remote", "train", f"trainer.total_training_steps={steps}", *overrides]
+        command = [VERL_REMOTE, "train", f"trainer.total_training_steps={steps}", *overrides]
         began = time.monotonic()
         proc = subprocess.Popen(
             command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.train  # a check starts the demo's model in Ray workers
 
 CHECK_NAMES = [
     "spec", "contract", "from_config", "reconnect_handle", "worker_reattaches", "sampler_reattaches",
-    "log_prob_layout", "reference", "sampler", "training_step", "weight_sync", "checkpoint", "gradient", "overlap",
-    "destroy",
+    "log_prob_layout", "reference", "sampler", "training_step", "weight_sync", "checkpoint", "export", "gradient",
+    "overlap", "destroy",
 ]  # fmt: skip
 
 
@@ -48,6 +48,8 @@ def test_the_local_backend_passes_every_check_under_every_loss_and_leaves_nothin
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Token authentication" not in out.stdout + out.stderr  # Ray's notice is not one of the results
     assert _marks(out.stdout) == dict.fromkeys(CHECK_NAMES, "ok")
+    # The checkpoint the check saved, exported: transformers loads it, with the engine's log-probs at the save.
+    assert re.search(r"^\[ok  \] export: max difference \S+$", out.stdout, re.M), out.stdout
     # Every policy loss verl has, every other aggregation, the KL loss: each update verl's.
     count = len(POLICY_LOSS_REGISTRY) + 4 + 1
     assert re.search(
@@ -190,6 +192,9 @@ def test_a_third_partys_backend_frozen_at_the_0_1_0_contract_passes_every_check(
 
     results = check_backend("frozen")
     assert [r.name for r in results if r.ok] == CHECK_NAMES, "\n".join(r.line() for r in results)
+    # Export is optional: a backend of 0.1.0's contract without it passes, with a note.
+    said = {r.name: r.line() for r in results}
+    assert said["export"].startswith("[ok  ] export: not declared (optional)"), said["export"]
     assert live_actors() == []
 
 

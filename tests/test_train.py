@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -162,6 +163,77 @@ def _stop_at(proc: subprocess.Popen[str], marker: str, stop: signal.Signals) -> 
     proc.send_signal(stop)
     rest = finish(proc, timeout=300)
     return proc.returncode, "".join(seen) + rest
+
+
+def test_export_writes_each_step_as_a_model_folder_with_the_engines_log_probs_and_refuses_what_it_cannot(
+    train_runs: TrainRuns, tmp_path: Path, cli_main: Any
+) -> None:
+    """`verl-remote export` of the demo run's checkpoints (steps 2 and 4): a folder transformers loads, whose
+    log-probs of sequences the run never saw equal the local engine's with the same checkpoint loaded (fp32), and
+    whose weights are what training made of the initial model, another at each step. Refused in one line, before
+    a weight is read: a step with no checkpoint, an output folder in use, an adapter of a run that trained every
+    weight, a folder that is no run's."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from verl_remote.backends.local.engine import LocalEngine
+    from verl_remote.kit.payload import Packed
+    from verl_remote.runtime.record import read_run_record
+
+    ckpt = train_runs(*DEMO).ok().ckpt
+    refusals = {
+        (
+            "--step",
+            "3",
+            "--out",
+            str(tmp_path / "a"),
+        ): f"--step 3: {ckpt} has no complete checkpoint of step 3 (it has 2, 4)",
+        ("--out", str(ckpt)): f"--out {ckpt}: it exists and is not an empty folder; name a new one",
+        ("--adapter", "--out", str(tmp_path / "a")): "the local backend trains every weight of the model (no LoRA)",
+    }
+    for words, said in refusals.items():
+        code, _out, err = cli_main("export", str(ckpt), *words)
+        assert code == 2 and last_line(err).startswith(f"verl-remote export: error: {said}"), err[-2000:]
+    code, _out, err = cli_main("export", str(tmp_path), "--out", str(tmp_path / "a"))
+    assert code == 2 and "no verl-remote-run.yaml there, so not the folder of a verl-remote run" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, no staging folder left
+
+    exported = {}
+    for step in ("2", "latest"):
+        out = tmp_path / f"step-{step}"
+        code, said, err = cli_main("export", str(ckpt), "--step", step, "--out", str(out))
+        assert code == 0, err[-3000:]
+        assert re.search(rf"^verl-remote: exported step {4 if step == 'latest' else 2} to {out} \(", said, re.M), said
+        assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+        exported[step] = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-latest"]  # no staging folder left
+
+    # Sequences of the demo's tokens the run never trained on, through the engine with step 4 loaded.
+    record = read_run_record(str(ckpt))
+    assert record is not None
+    model_path = str(record.actor_rollout_ref.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = [tokenizer.encode(text) for text in ("user: 7 + 5 = ? assistant: 12", "user: 3 <|im_end|> assistant: 9 9")]
+    packed = Packed(np.concatenate(rows).astype(np.int64), np.cumsum([0, *map(len, rows)]).astype(np.int64))
+    settings = OmegaConf.to_container(record.remote_backend, resolve=True)
+    engine = LocalEngine(model_path, OmegaConf.to_container(record.actor_rollout_ref.actor, resolve=True), settings)
+    engine.load(str(ckpt / "global_step_4" / "actor" / "local_engine"))
+    theirs = engine.compute_log_prob(packed, 1.0, False, False)["log_probs"]
+    with torch.no_grad():
+        for row, start in zip(rows, packed.offsets[:-1], strict=False):
+            logits = exported["latest"](input_ids=torch.tensor([row])).logits[0].float()
+            ours = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(row[1:])[:, None])[:, 0]
+            assert np.abs(ours.numpy() - theirs[start : start + len(row) - 1]).max() < 1e-4
+    # What training did: the initial model's weights moved, by another amount at each step, as the run saved them.
+    initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    saved = torch.load(ckpt / "global_step_4" / "actor" / "local_engine" / "local_engine.pt", weights_only=True)
+    for name, weight in exported["latest"].state_dict().items():
+        assert torch.equal(weight, saved["model"][name]), name
+    moved = {
+        step: max((model.state_dict()[name] - weight).abs().max().item() for name, weight in initial.items())
+        for step, model in exported.items()
+    }
+    assert moved["2"] > 0 and moved["latest"] > 0 and moved["2"] != moved["latest"], moved
 
 
 @pytest.mark.faults

@@ -195,6 +195,30 @@ def _media_problem(exc: BaseException) -> str | None:
     return media_packages_problem() if _involves(exc, MEDIA_PACKAGES) else None
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from verl_remote.discovery.compose import ConfigError
+    from verl_remote.runtime.export import plan_export, run_export
+
+    try:
+        plan = plan_export(args.run_dir, args.step, args.out, adapter=args.adapter)
+    except ConfigError as exc:
+        print(f"verl-remote export: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        run_export(plan)
+    except ValueError as exc:  # what the backend cannot export, in its words
+        if args.traceback:
+            raise
+        print(f"verl-remote export: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:
+        if args.traceback:
+            raise
+        print(f"verl-remote export: the export failed: {one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from verl_remote.cli.doctor import Check, run_checks
 
@@ -324,6 +348,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the output of every process of the run on the console (also: VERL_REMOTE_VERBOSE=1)",
     )
     p.set_defaults(func=_cmd_train)
+
+    p = commands.add_parser(
+        "export",
+        help="write a run's checkpoint as a Hugging Face model folder",
+        description="Write the weights of one complete checkpoint of a run as a Hugging Face model folder "
+        "(config.json, the tokenizer, *.safetensors) that transformers and vLLM load. Reads the run folder's "
+        "record of its backend and config; the backend reads the checkpoint, from the service where it is kept. "
+        "A LoRA is merged into its base model unless --adapter. The folder appears once complete.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (its trainer.default_local_dir)")
+    p.add_argument(
+        "--step", default="latest", help="the checkpoint's step, or 'latest' (the default): the newest complete one"
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write: a new or an empty one")
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write the adapter alone (a PEFT folder) instead of merging it into the base model",
+    )
+    p.set_defaults(func=_cmd_export)
 
     p = commands.add_parser(
         "doctor",

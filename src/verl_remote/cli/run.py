@@ -185,6 +185,8 @@ def prepare_config(config: DictConfig) -> DictConfig:
     with open_dict(config):
         # verl resolves these in its TaskRunner process; users mean their own working directory.
         config.trainer.default_local_dir = os.path.abspath(str(config.trainer.default_local_dir))
+        if OmegaConf.select(config, "remote_export.out", default=None):
+            config.remote_export.out = os.path.abspath(os.path.expanduser(str(config.remote_export.out)))
         for key in INPUT_PATHS:  # a relative path that is there (a hub name such as Qwen/Qwen3-8B is not)
             value = OmegaConf.select(config, key, default=None)
             if isinstance(value, str) and _here(value):
@@ -202,6 +204,9 @@ def prepare_config(config: DictConfig) -> DictConfig:
         where = f" (in {section.group(1)})" if section else ""
         said = " ".join(str(exc.__cause__ or exc).split("full_key:")[0].split())
         raise ConfigError(f"verl rejected the config: {said}{where}") from exc
+    from verl_remote.runtime.export import check_export_setting
+
+    check_export_setting(config)
     resolve_demo_assets(config)  # after verl's checks: a refused config makes nothing
     return config
 

@@ -63,7 +63,9 @@ from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
 from verl_remote.runtime.checkpoints import resume_target, seal
+from verl_remote.runtime.export import check_export_setting, export_at_end
 from verl_remote.runtime.layout import single_forwarder_problem
+from verl_remote.runtime.record import write_run_record
 from verl_remote.runtime.summary import REWARD_METRIC, RunSummary
 
 __all__ = [
@@ -134,6 +136,7 @@ class RemotePPOTrainer(PPOTrainerSync):
             ):
                 raise SingleForwarderError(problem)
             check_cluster_paths(config)
+            check_export_setting(config)
         self.overlap = str(config.trainer.v1.trainer_mode) == ASYNC_MODE
         if self.overlap and (reason := backend_class.cannot_overlap(config)):
             print(
@@ -200,10 +203,12 @@ class RemotePPOTrainer(PPOTrainerSync):
     def fit(self, agent_loop_manager: Any) -> None:
         """verl's loop; the backend is destroyed once whatever ends it (verl's own TaskRunner does not)."""
         try:
+            write_run_record(self.config)  # what `verl-remote export` reads of the run
             super().fit(agent_loop_manager)
             self._wait_for_sync()
             if self.overlap:
                 self._drain_rollouts()
+            export_at_end(self.config)  # before the backend goes: a service's checkpoints may go with it
         finally:
             self.destroy_backend()
             if not self.launched_by_cli:  # verl-remote train prints the summary it is returned, after Ray's output

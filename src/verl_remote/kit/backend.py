@@ -26,7 +26,7 @@ __all__ = ["RemoteBackend"]
 _ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy", "service_waits")
 _SYNC_METHODS = ("reconnect_handle",)
 # Asked before anything exists (the preflight), so they are classmethods.
-_CLASS_METHODS = ("from_config", "preflight", "requires_single_forwarder", "cannot_overlap")
+_CLASS_METHODS = ("from_config", "preflight", "requires_single_forwarder", "cannot_overlap", "export")
 
 
 class RemoteBackend(abc.ABC):
@@ -157,6 +157,24 @@ class RemoteBackend(abc.ABC):
     @abc.abstractmethod
     async def destroy(self) -> None:
         """Release everything the backend created. Must be idempotent."""
+
+    @classmethod
+    def export(cls, main_config: Any, step: int, path: str, out: str, *, adapter: bool = False) -> None:
+        """Write the weights :meth:`save_checkpoint` saved for ``step`` under ``path`` into ``out``, a Hugging Face
+        model folder: ``config.json``, the tokenizer, ``*.safetensors``, which
+        ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM load.
+
+        ``verl-remote export`` calls it in its own process, with no Ray and no backend made: ``main_config`` is
+        the run's config as the run recorded it (resolved); connect to the service where the weights are (with
+        ``main_config.remote_backend``'s settings) and create nothing there that outlives the call. ``out`` is
+        an empty folder the command moves into place once this returns, so an export cut short never looks
+        complete. A LoRA is merged into its base model's weights, or, with ``adapter``, written as a PEFT
+        adapter folder (``adapter_config.json``, ``adapter_model.safetensors``). Raise ``ValueError`` with the
+        reason and the fix when it cannot (the checkpoint no longer on the service, ``adapter`` asked of a run
+        that trained every weight). Optional: a backend that does not define it does not export, and the
+        command says so.
+        """
+        raise NotImplementedError(f"backend {cls.__name__} does not export its checkpoints")
 
     async def service_waits(self) -> dict[str, float]:
         """Seconds the run waited on the service since the last call, by phase of verl's step.

@@ -85,6 +85,8 @@ class _State:
     folder: str = ""
     #: Why the backend declines an overlapped run (RemoteBackend.cannot_overlap), or None when it runs one.
     declines: str | None = None
+    #: The checkpoint check's save: its folder, rows, responses and the log-probs of the rows at the save.
+    saved: tuple[str, list[list[int]], list[list[int]], np.ndarray] | None = None
 
 
 def _packed(rows: list[list[Any]], dtype: Any) -> Any:
@@ -415,6 +417,7 @@ class Conformance:
         lengths = [len(r) for r in responses]
         saved = self._log_probs(rows, lengths)
         asyncio.run(self.state.backend.save_checkpoint(1, path))
+        self.state.saved = (path, rows, responses, saved)
         self._train_step(rows, responses, saved)
         changed = self._log_probs(rows, lengths)
         _expect(float(np.abs(changed - saved).max()) > 0, "a training step after the save changed nothing")
@@ -427,6 +430,45 @@ class Conformance:
             "restore the weights (and the optimizer) that save_checkpoint wrote for that step",
         )
         return f"max difference {diff:.2g}"
+
+    def check_export(self) -> str:
+        """export: the saved checkpoint as a Hugging Face folder whose log-probs are the service's at the save."""
+        import tempfile
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from verl_remote.runtime.export import exports
+
+        backend_class = type(self.state.backend)
+        if not exports(backend_class):
+            return "not declared (optional): verl-remote export refuses this backend's runs in one line"
+        _expect(self.state.saved is not None, "the checkpoint check did not save", "run the checks in order")
+        assert self.state.saved is not None
+        path, rows, responses, saved = self.state.saved
+        out = tempfile.mkdtemp(prefix="export-", dir=self.state.folder)
+        backend_class.export(self.state.config, 1, path, out)
+        written = os.listdir(out)
+        _expect(
+            "config.json" in written and any(name.endswith(".safetensors") for name in written),
+            f"export wrote {sorted(written)}, not a model folder",
+            "write config.json, the tokenizer and *.safetensors (save_pretrained does)",
+        )
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        worst = 0.0
+        with torch.no_grad():
+            for row, response, theirs in zip(rows, responses, _responses_of(saved, rows, responses), strict=True):
+                logits = model(input_ids=torch.tensor([row])).logits[0].float()
+                start = len(row) - len(response) - 1
+                mine = torch.log_softmax(logits[start : len(row) - 1], dim=-1)
+                mine = mine.gather(1, torch.tensor(row[start + 1 :])[:, None])[:, 0].numpy()
+                worst = max(worst, float(np.abs(mine - theirs).max()))
+        _expect(
+            worst <= max(self.atol, 1e-4),
+            f"the exported model's log-probs differ from the service's at the save by up to {worst:.3g}",
+            "export the weights save_checkpoint saved for the step, with the model's own config",
+        )
+        return f"max difference {worst:.2g}"
 
     def check_gradient(self) -> str:
         """gradient: the update the backend applies is the one verl's loss asks for (each loss asked, in turn).
@@ -700,6 +742,7 @@ CHECKS: list[tuple[str, str]] = [
     ("training_step", "check_training_step"),
     ("weight_sync", "check_weight_sync"),
     ("checkpoint", "check_checkpoint"),
+    ("export", "check_export"),
     ("gradient", "check_gradient"),
     ("overlap", "check_overlap"),
     ("destroy", "check_destroy"),

@@ -11,7 +11,7 @@ import ray
 from omegaconf import OmegaConf
 
 from verl_remote import Packed, RayService, RemoteBackend, SamplingParams, overlapped, resources
-from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest
+from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest, export_checkpoint
 from verl_remote.backends.local.vllm_sampler import resolve_sampler, vllm_model_problem
 
 __all__ = ["LocalBackend"]
@@ -98,6 +98,23 @@ class LocalBackend(RemoteBackend):
             num_gpus=1 if device.startswith("cuda") else 0,
         )
         return cls(service, max_batch)
+
+    @classmethod
+    def export(cls, main_config: Any, step: int, path: str, out: str, *, adapter: bool = False) -> None:
+        """The engine's saved weights with the run's model's config and tokenizer; no engine is started."""
+        if adapter:
+            raise ValueError(
+                "the local backend trains every weight of the model (no LoRA): there is no adapter to export; "
+                "leave out --adapter"
+            )
+        model = main_config.actor_rollout_ref.model
+        export_checkpoint(
+            str(model.path),
+            str(model.get("tokenizer_path") or model.path),
+            str(main_config.remote_backend.get("dtype", "float32")),
+            os.path.join(path, CHECKPOINT_SUBDIR),
+            out,
+        )
 
     @classmethod
     def preflight(cls, main_config: Any) -> None:

@@ -376,6 +376,22 @@ class LocalEngine:
         return digest.hexdigest()
 
 
+def export_checkpoint(model_path: str, tokenizer_path: str, dtype: str, state_dir: str, out: str) -> None:
+    """The model a :meth:`LocalEngine.save` folder holds, as a Hugging Face model folder in ``out``: the engine's
+    model class and dtype from ``model_path``, the saved weights, the tokenizer. The optimizer's state, saved
+    beside the weights, is mapped from disk and never read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    file = Path(state_dir) / CHECKPOINT_FILE
+    if not file.is_file():
+        raise ValueError(f"no local-engine checkpoint at {file}")
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model.load_state_dict(state["model"])
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)
+
+
 def _jagged(values: torch.Tensor, layout: Packed) -> torch.Tensor:
     """``values`` (keeping their autograd graph) in the rows of ``layout``."""
     lengths = layout.lengths

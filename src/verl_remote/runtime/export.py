@@ -1,0 +1,184 @@
+"""A run's checkpoint out as a Hugging Face model folder: ``verl-remote export``, and ``remote_export.out`` at
+the end of a run.
+
+The run folder says what it holds: its record of the run's config (:mod:`verl_remote.runtime.record`: the
+backend, its settings, the model) and its complete checkpoints (:mod:`verl_remote.runtime.checkpoints`). The
+backend's :meth:`~verl_remote.RemoteBackend.export` writes the weights of one step into a staging folder beside
+the output, which is moved into place once it holds a model: an export cut short never looks complete. What
+cannot be exported is refused in one line before any weight is read: no record, no such step, an output
+folder that is not empty, a backend that does not export.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verl_remote.discovery.compose import ConfigError
+
+__all__ = ["ExportPlan", "check_export_setting", "export_at_end", "exports", "plan_export", "run_export"]
+
+#: What an exported folder holds besides its ``*.safetensors``, whatever the backend: a model's config, or an
+#: adapter's.
+REQUIRED = {False: "config.json", True: "adapter_config.json"}
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What ``verl-remote export`` will do, once every refusal is past."""
+
+    config: Any
+    backend: str
+    step: int
+    path: str  # the backend's part of the checkpoint: the path its save_checkpoint was given
+    out: Path
+    adapter: bool
+
+
+def exports(backend_class: type) -> bool:
+    """Whether a backend defines :meth:`~verl_remote.RemoteBackend.export`."""
+    from verl_remote.kit.backend import RemoteBackend
+
+    return getattr(backend_class, "export", None) is not None and (
+        backend_class.export.__func__ is not RemoteBackend.export.__func__  # type: ignore[attr-defined]
+    )
+
+
+def _choose_step(folder: str, asked: str) -> int:
+    from verl_remote.runtime.checkpoints import complete_steps
+
+    steps = complete_steps(folder)
+    if not steps:
+        raise ConfigError(
+            f"{folder} has no complete checkpoint: a run saves them every trainer.save_freq steps (and at its "
+            "last step when save_freq > 0)"
+        )
+    if asked == "latest":
+        return steps[0]
+    try:
+        step = int(asked)
+    except ValueError:
+        raise ConfigError(f"--step {asked}: a step number or 'latest'") from None
+    if step not in steps:
+        listed = ", ".join(str(s) for s in sorted(steps))
+        raise ConfigError(f"--step {step}: {folder} has no complete checkpoint of step {step} (it has {listed})")
+    return step
+
+
+def plan_export(run_dir: str, step: str, out: str, *, adapter: bool) -> ExportPlan:
+    """Everything ``export`` checks before it reads a weight; raises :class:`ConfigError` with the reason."""
+    from verl_remote.discovery.registry import load_backend_class
+    from verl_remote.runtime.record import RUN_RECORD, read_run_record
+
+    folder = os.path.abspath(os.path.expanduser(run_dir))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{run_dir}: no such folder; give the run's trainer.default_local_dir")
+    config = read_run_record(folder)
+    if config is None:
+        raise ConfigError(
+            f"{run_dir}: no {RUN_RECORD} there, so not the folder of a verl-remote run (or of one older than the "
+            "record): give the run's trainer.default_local_dir"
+        )
+    chosen = _choose_step(folder, step)
+    target = Path(os.path.abspath(os.path.expanduser(out)))
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"--out {out}: it exists and is not an empty folder; name a new one")
+    name = str(config.remote_backend.name)
+    backend = load_backend_class(name)
+    if not exports(backend):
+        raise ConfigError(
+            f"backend '{name}' does not export its checkpoints (its RemoteBackend has no export method): ask its "
+            "authors, or load its checkpoint with the service's own tools"
+        )
+    part = os.path.join(folder, f"global_step_{chosen}", "actor")
+    return ExportPlan(config, name, chosen, part, target, adapter)
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def run_export(plan: ExportPlan) -> Path:
+    """Export as planned: the backend writes into a staging folder beside ``plan.out``, moved there when done."""
+    from verl_remote.discovery.registry import load_backend_class
+
+    backend = load_backend_class(plan.backend)
+    plan.out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.export-", dir=plan.out.parent))
+    began = time.monotonic()
+    try:
+        print(
+            f"verl-remote: exporting step {plan.step} of backend '{plan.backend}' to {plan.out}"
+            + (" (the adapter alone)" if plan.adapter else ""),
+            flush=True,
+        )
+        backend.export(plan.config, plan.step, plan.path, str(staging), adapter=plan.adapter)
+        written = {p.name for p in staging.iterdir()}
+        lacking = [name for name in (REQUIRED[plan.adapter], "*.safetensors") if not fnmatch.filter(written, name)]
+        if lacking:
+            raise RuntimeError(
+                f"backend '{plan.backend}' exported no {' and no '.join(lacking)}: a bug in its export method"
+            )
+        if plan.out.exists():  # an empty folder, checked in the plan: the staging folder takes its place
+            plan.out.rmdir()
+        os.replace(staging, plan.out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    took = time.monotonic() - began
+    print(
+        f"verl-remote: exported step {plan.step} to {plan.out} ({_size(plan.out) / 1e6:.1f} MB) in {took:.1f} s",
+        flush=True,
+    )
+    return plan.out
+
+
+def check_export_setting(config: Any) -> None:
+    """``remote_export.out`` of a run, checked before it starts: checkpoints to export, a folder free for the
+    model, a backend that exports. Raises :class:`ConfigError`."""
+    from omegaconf import OmegaConf
+
+    from verl_remote.discovery.registry import load_backend_class
+
+    out = OmegaConf.select(config, "remote_export.out", default=None)
+    if not out:
+        return
+    if int(config.trainer.save_freq) <= 0:
+        raise ConfigError(
+            f"remote_export.out={out} exports the run's last checkpoint, and trainer.save_freq="
+            f"{config.trainer.save_freq} saves none: set trainer.save_freq (verl saves the last step when it is > 0)"
+        )
+    target = Path(os.path.expanduser(str(out)))
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"remote_export.out={out}: it exists and is not an empty folder; name a new one")
+    name = str(config.remote_backend.name)
+    if not exports(load_backend_class(name)):
+        raise ConfigError(
+            f"remote_export.out={out}: backend '{name}' does not export its checkpoints (its RemoteBackend has no "
+            "export method)"
+        )
+
+
+def export_at_end(config: Any) -> Path | None:
+    """The run's newest checkpoint into ``remote_export.out``, if set (the run has ended and its backend is still
+    up: a service's checkpoints may go with the run's jobs)."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.select(config, "remote_export.out", default=None)
+    if not out:
+        return None
+    folder = str(config.trainer.default_local_dir)
+    adapter = bool(OmegaConf.select(config, "remote_export.adapter", default=False))
+    try:
+        return run_export(plan_export(folder, "latest", str(out), adapter=adapter))
+    except Exception as exc:
+        again = f"verl-remote export {folder} --out {out}" + (" --adapter" if adapter else "")
+        raise RuntimeError(
+            f"the run trained and saved its checkpoints, but the export to remote_export.out failed ({exc}); "
+            f"export it with: {again}"
+        ) from exc

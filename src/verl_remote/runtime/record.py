@@ -1,0 +1,46 @@
+"""The run folder's record of the run: the config it ran with, for what reads the folder later.
+
+A run writes ``verl-remote-run.yaml`` into its checkpoint folder (``trainer.default_local_dir``) as it starts,
+under either launcher: the whole config, resolved, as the run got it (paths made absolute by ``verl-remote
+train``). ``verl-remote export`` reads it to know the backend, its settings and the model a checkpoint belongs
+to. A run resumed in the folder writes it again. Secrets are never in a config (backends read tokens from the
+environment), so the record holds none.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["RUN_RECORD", "read_run_record", "write_run_record"]
+
+RUN_RECORD = "verl-remote-run.yaml"
+
+
+def write_run_record(config: Any) -> str:
+    """Write the run's config into its checkpoint folder, atomically; returns the record's path."""
+    folder = str(config.trainer.default_local_dir)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, RUN_RECORD)
+    handle, temporary = tempfile.mkstemp(prefix=f".{RUN_RECORD}.", dir=folder)
+    try:
+        with os.fdopen(handle, "w") as fp:
+            fp.write(OmegaConf.to_yaml(config, resolve=True))
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path
+
+
+def read_run_record(folder: str) -> DictConfig | None:
+    """The config the run in ``folder`` recorded, or None when there is no record."""
+    path = os.path.join(folder, RUN_RECORD)
+    if not os.path.isfile(path):
+        return None
+    config = OmegaConf.load(path)
+    assert isinstance(config, DictConfig)
+    return config

@@ -234,11 +234,19 @@ def _ray_init(config: DictConfig) -> None:
     env_vars = runtime_env.setdefault("env_vars", {})
     env_vars.setdefault("VERL_FILE_LOGGER_ROOT", os.getcwd())
     plain: dict[str, Any] = OmegaConf.to_container(runtime_env)  # type: ignore[assignment]
-    ray.init(runtime_env=plain, **ray_init)
+    env = {str(key): str(value) for key, value in (plain.pop("env_vars", None) or {}).items()}
+    rest = {key: value for key, value in plain.items() if value is not None}
+    if ray_init.get("address") == "local" and not rest:
+        # Ray's own instance, started here: its raylet and every worker inherit this process's environment, so
+        # the variables go there, and the workers start with no runtime environment to set up (about 0.5 s
+        # less for each of a run's actors; benchmarks/startup.py). The TaskRunner, in this process, sees them.
+        os.environ.update(env)
+        ray.init(**ray_init)
+        return
+    ray.init(runtime_env={**plain, "env_vars": env}, **ray_init)
     # The TaskRunner runs here: it sees the variables Ray sets in every worker (a backend's token, say), as an
     # actor of its own would. After Ray's own processes started, which keep the driver's environment.
-    for key, value in (plain.get("env_vars") or {}).items():
-        os.environ[str(key)] = str(value)
+    os.environ.update(env)
 
 
 class _RunnerThread(threading.Thread):

@@ -111,6 +111,9 @@ def run_export(plan: ExportPlan) -> Path:
     backend = load_backend_class(plan.backend)
     plan.out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.export-", dir=plan.out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # a folder like any other the user makes, not mkdtemp's private one
     began = time.monotonic()
     try:
         print(
@@ -125,6 +128,8 @@ def run_export(plan: ExportPlan) -> Path:
             raise RuntimeError(
                 f"backend '{plan.backend}' exported no {' and no '.join(lacking)}: a bug in its export method"
             )
+        for made in staging.rglob("*"):  # what the user makes is readable as their umask says (save_pretrained's
+            made.chmod((0o777 if made.is_dir() else 0o666) & ~umask)  # safetensors is private otherwise)
         if plan.out.exists():  # an empty folder, checked in the plan: the staging folder takes its place
             plan.out.rmdir()
         os.replace(staging, plan.out)

@@ -381,7 +381,9 @@ def export_checkpoint(model_path: str, tokenizer_path: str, dtype: str, state_di
     model class and dtype from ``model_path``, the saved weights, the tokenizer. The optimizer's state, saved
     beside the weights, is mapped from disk and never read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # the command says what it exports, and when it is done
     file = Path(state_dir) / CHECKPOINT_FILE
     if not file.is_file():
         raise ValueError(f"no local-engine checkpoint at {file}")

@@ -77,7 +77,7 @@ def _name(proc: psutil.Process) -> str:
         return "ray::(starting)"
     if "verl_remote.runtime.watchdog" in cmd:
         return "verl-remote's watchdog"
-    return os.path.basename(cmd.split()[0]) if cmd else "?"
+    return os.path.basename(cmd.split()[0]) if cmd else "(exited)"
 
 
 def _watch(root: psutil.Process, run: Run, began: float, done: threading.Event) -> None:
@@ -135,9 +135,12 @@ def phases(run: Run) -> dict[str, float]:
             found[name] = at
     if run.raylet_at is not None:
         found["Ray's node up"] = run.raylet_at
-    actors = sorted((seen.first, seen.name) for seen in run.processes.values() if seen.name.startswith("ray::"))
-    for i, (first, name) in enumerate(actors):
-        found[f"{name} started ({i + 1})"] = first
+    started: dict[str, float] = {}  # each actor class's first process
+    for first, name in sorted((seen.first, seen.name) for seen in run.processes.values()):
+        if name.startswith("ray::"):
+            started.setdefault(name.split(".")[0], first)
+    for name, first in started.items():
+        found[f"{name} started"] = first
     rows = [t for t, line in run.lines if STEP_ROW.search(line)]
     if rows:
         found["last step"] = rows[-1]
@@ -154,9 +157,11 @@ def step_time(run: Run) -> float | None:
 def cpu_by_process(run: Run) -> dict[str, float]:
     totals: dict[str, float] = {}
     for pid, seen in run.processes.items():
-        name = "verl-remote train (the driver)" if pid == run.root else seen.name
+        name = "verl-remote train (the driver)" if pid == run.root else seen.name.split(".")[0]
         if name.startswith("ray ("):
             name = "Ray's own processes"
+        elif not name.startswith(("ray::", "verl-remote")):
+            name = "other processes"
         totals[name] = totals.get(name, 0.0) + seen.cpu
     return totals
 

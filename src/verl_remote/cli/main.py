@@ -196,17 +196,11 @@ def _media_problem(exc: BaseException) -> str | None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from verl_remote.discovery.compose import ConfigError
     from verl_remote.runtime.export import plan_export, run_export
 
     try:
-        plan = plan_export(args.run_dir, args.step, args.out, adapter=args.adapter)
-    except ConfigError as exc:
-        print(f"verl-remote export: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        run_export(plan)
-    except ValueError as exc:  # what the backend cannot export, in its words
+        run_export(plan_export(args.run_dir, args.step, args.out, adapter=args.adapter))
+    except ValueError as exc:  # refused by the plan (a ConfigError) or by the backend, in its words
         if args.traceback:
             raise
         print(f"verl-remote export: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -18,9 +18,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_remote.discovery.compose import ConfigError
+
+if TYPE_CHECKING:
+    from verl_remote.kit.backend import RemoteBackend
 
 __all__ = ["ExportPlan", "check_export_setting", "export_at_end", "exports", "plan_export", "run_export"]
 
@@ -35,6 +38,7 @@ class ExportPlan:
 
     config: Any
     backend: str
+    backend_class: type[RemoteBackend]
     step: int
     path: str  # the backend's part of the checkpoint: the path its save_checkpoint was given
     out: Path
@@ -45,9 +49,26 @@ def exports(backend_class: type) -> bool:
     """Whether a backend defines :meth:`~verl_remote.RemoteBackend.export`."""
     from verl_remote.kit.backend import RemoteBackend
 
-    return getattr(backend_class, "export", None) is not None and (
-        backend_class.export.__func__ is not RemoteBackend.export.__func__  # type: ignore[attr-defined]
-    )
+    return backend_class.export.__func__ is not RemoteBackend.export.__func__  # type: ignore[attr-defined]
+
+
+def _exporter(name: str, where: str) -> type[RemoteBackend]:
+    """Backend ``name``'s class, which must export; ``where`` starts the refusal (the setting that asked)."""
+    from verl_remote.discovery.registry import load_backend_class
+
+    backend = load_backend_class(name)
+    if not exports(backend):
+        raise ConfigError(
+            f"{where}backend '{name}' does not export its checkpoints (its RemoteBackend has no export method): "
+            "ask its authors, or load its checkpoint with the service's own tools"
+        )
+    return backend
+
+
+def _refuse_in_use(target: Path, where: str) -> None:
+    """The output folder must be new or empty: an export never mixes with what is there."""
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"{where}: it exists and is not an empty folder; name a new one")
 
 
 def _choose_step(folder: str, asked: str) -> int:
@@ -73,7 +94,6 @@ def _choose_step(folder: str, asked: str) -> int:
 
 def plan_export(run_dir: str, step: str, out: str, *, adapter: bool) -> ExportPlan:
     """Everything ``export`` checks before it reads a weight; raises :class:`ConfigError` with the reason."""
-    from verl_remote.discovery.registry import load_backend_class
     from verl_remote.runtime.record import RUN_RECORD, read_run_record
 
     folder = os.path.abspath(os.path.expanduser(run_dir))
@@ -87,17 +107,11 @@ def plan_export(run_dir: str, step: str, out: str, *, adapter: bool) -> ExportPl
         )
     chosen = _choose_step(folder, step)
     target = Path(os.path.abspath(os.path.expanduser(out)))
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(f"--out {out}: it exists and is not an empty folder; name a new one")
+    _refuse_in_use(target, f"--out {out}")
     name = str(config.remote_backend.name)
-    backend = load_backend_class(name)
-    if not exports(backend):
-        raise ConfigError(
-            f"backend '{name}' does not export its checkpoints (its RemoteBackend has no export method): ask its "
-            "authors, or load its checkpoint with the service's own tools"
-        )
+    backend = _exporter(name, "")
     part = os.path.join(folder, f"global_step_{chosen}", "actor")
-    return ExportPlan(config, name, chosen, part, target, adapter)
+    return ExportPlan(config, name, backend, chosen, part, target, adapter)
 
 
 def _size(folder: Path) -> int:
@@ -106,9 +120,6 @@ def _size(folder: Path) -> int:
 
 def run_export(plan: ExportPlan) -> Path:
     """Export as planned: the backend writes into a staging folder beside ``plan.out``, moved there when done."""
-    from verl_remote.discovery.registry import load_backend_class
-
-    backend = load_backend_class(plan.backend)
     plan.out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.export-", dir=plan.out.parent))
     umask = os.umask(0)
@@ -121,7 +132,7 @@ def run_export(plan: ExportPlan) -> Path:
             + (" (the adapter alone)" if plan.adapter else ""),
             flush=True,
         )
-        backend.export(plan.config, plan.step, plan.path, str(staging), adapter=plan.adapter)
+        plan.backend_class.export(plan.config, plan.step, plan.path, str(staging), adapter=plan.adapter)
         written = {p.name for p in staging.iterdir()}
         lacking = [name for name in (REQUIRED[plan.adapter], "*.safetensors") if not fnmatch.filter(written, name)]
         if lacking:
@@ -148,8 +159,6 @@ def check_export_setting(config: Any) -> None:
     model, a backend that exports. Raises :class:`ConfigError`."""
     from omegaconf import OmegaConf
 
-    from verl_remote.discovery.registry import load_backend_class
-
     out = OmegaConf.select(config, "remote_export.out", default=None)
     if not out:
         return
@@ -158,15 +167,8 @@ def check_export_setting(config: Any) -> None:
             f"remote_export.out={out} exports the run's last checkpoint, and trainer.save_freq="
             f"{config.trainer.save_freq} saves none: set trainer.save_freq (verl saves the last step when it is > 0)"
         )
-    target = Path(os.path.expanduser(str(out)))
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(f"remote_export.out={out}: it exists and is not an empty folder; name a new one")
-    name = str(config.remote_backend.name)
-    if not exports(load_backend_class(name)):
-        raise ConfigError(
-            f"remote_export.out={out}: backend '{name}' does not export its checkpoints (its RemoteBackend has no "
-            "export method)"
-        )
+    _refuse_in_use(Path(os.path.expanduser(str(out))), f"remote_export.out={out}")
+    _exporter(str(config.remote_backend.name), f"remote_export.out={out}: ")
 
 
 def export_at_end(config: Any) -> Path | None:

@@ -105,3 +105,16 @@ def test_the_refused_estimators_are_verls_and_refused_before_ray_naming_what_the
         assert str(refused.value).startswith(f"algorithm.adv_estimator={estimator} needs {needs}: use one that "), (
             refused.value
         )
+
+
+def test_verls_own_launcher_refuses_them_too_when_it_builds_the_trainer_before_the_backend_is_made() -> None:
+    """``python -m verl.trainer.main_ppo`` does not pass through ``verl-remote train``'s checks: the trainer it
+    builds refuses the same estimators, and GAE, in the same words, before it makes the backend."""
+    from verl_remote.integration.trainer import RemotePPOTrainer
+
+    refused = {**ESTIMATORS_V1_CANNOT_FEED, "gae": "a critic (a value model verl trains beside the actor)"}
+    for estimator, needs in refused.items():
+        config = _run_config(f"algorithm.adv_estimator={estimator}")
+        with pytest.raises(ValueError) as raised:
+            RemotePPOTrainer(config)
+        assert str(raised.value).startswith(f"algorithm.adv_estimator={estimator} needs {needs}"), raised.value

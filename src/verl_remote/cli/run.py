@@ -140,10 +140,6 @@ def _here(value: str) -> bool:
     return "://" not in value and not os.path.isabs(value) and os.path.exists(os.path.expanduser(value))
 
 
-#: The estimators a refused one may be replaced with: verl's that need only the rewards (tests/test_estimators.py).
-ESTIMATORS_ON_REWARDS = "algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, opo, gpg, grpo_passk, ..."
-
-
 def prepare_config(config: DictConfig) -> DictConfig:
     """Demo assets, verl's own validation, and the settings verl-remote cannot run without."""
     from verl_remote.discovery.compat import require_supported_verl
@@ -152,7 +148,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_remote.integration.names import ASYNC_MODE, ESTIMATORS_V1_CANNOT_FEED, MODE, ROLLOUT_NAME
+    from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME, estimator_problem
 
     if config.get("remote_backend") is None:
         raise ConfigError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
@@ -161,22 +157,8 @@ def prepare_config(config: DictConfig) -> DictConfig:
             f"trainer.v1.trainer_mode must be '{MODE}' (synchronous) or '{ASYNC_MODE}' (the next step samples while "
             f"this one trains) for verl-remote (got {config.trainer.v1.trainer_mode!r})"
         )
-    if need_critic(config):
-        asked = (
-            "critic.enable=true"
-            if config.critic.get("enable")
-            else f"algorithm.adv_estimator={config.algorithm.adv_estimator}"
-        )
-        raise ConfigError(
-            f"{asked} needs a critic (a value model verl trains beside the actor), and no verl-remote backend "
-            f"trains one: use an estimator that needs none ({ESTIMATORS_ON_REWARDS})"
-        )
-    estimator = str(config.algorithm.adv_estimator)
-    if estimator in ESTIMATORS_V1_CANNOT_FEED:
-        raise ConfigError(
-            f"algorithm.adv_estimator={estimator} needs {ESTIMATORS_V1_CANNOT_FEED[estimator]}: use one that needs "
-            f"only the rewards ({ESTIMATORS_ON_REWARDS})"
-        )
+    if problem := estimator_problem(config):
+        raise ConfigError(problem)
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
         raise ConfigError(
             f"actor_rollout_ref.rollout.name must be '{ROLLOUT_NAME}' for verl-remote "

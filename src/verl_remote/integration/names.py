@@ -4,10 +4,19 @@ run's config; and who launched the run whose trainer is being built (:data:`LAUN
 from __future__ import annotations
 
 from contextvars import ContextVar
+from typing import Any
 
 from verl_remote.kit.config import OVERLAPPED_MODE
 
-__all__ = ["ASYNC_MODE", "ESTIMATORS_V1_CANNOT_FEED", "LAUNCHER", "MODE", "ROLLOUT_NAME"]
+__all__ = [
+    "ASYNC_MODE",
+    "ESTIMATORS_ON_REWARDS",
+    "ESTIMATORS_V1_CANNOT_FEED",
+    "LAUNCHER",
+    "MODE",
+    "ROLLOUT_NAME",
+    "estimator_problem",
+]
 
 MODE = "remote"  # trainer.v1.trainer_mode
 ASYNC_MODE = OVERLAPPED_MODE  # trainer.v1.trainer_mode: the next step samples while this one trains
@@ -26,6 +35,35 @@ ESTIMATORS_V1_CANNOT_FEED = {
     "tir_optimal_token_baseline": _SUM_PI_SQUARED,
     "gdpo": "each reward component apart (algorithm.gdpo_reward_keys), which verl's V1 trainer does not pass to it",
 }
+
+#: The estimators a refused one may be replaced with: verl's that need only the rewards (tests/test_estimators.py).
+ESTIMATORS_ON_REWARDS = "algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, opo, gpg, grpo_passk, ..."
+
+
+def estimator_problem(config: Any) -> str | None:
+    """Why no backend can train the run's advantage estimator (a critic, or an input verl's V1 trainer does not
+    pass to it), in one line with the fix; None when it can. Both launchers ask: ``verl-remote train`` before Ray,
+    verl's own when it builds the trainer, before the backend is made."""
+    from verl.trainer.ppo.utils import need_critic
+
+    if need_critic(config):
+        asked = (
+            "critic.enable=true"
+            if config.critic.get("enable")
+            else f"algorithm.adv_estimator={config.algorithm.adv_estimator}"
+        )
+        return (
+            f"{asked} needs a critic (a value model verl trains beside the actor), and no verl-remote backend "
+            f"trains one: use an estimator that needs none ({ESTIMATORS_ON_REWARDS})"
+        )
+    estimator = str(config.algorithm.adv_estimator)
+    if estimator in ESTIMATORS_V1_CANNOT_FEED:
+        return (
+            f"algorithm.adv_estimator={estimator} needs {ESTIMATORS_V1_CANNOT_FEED[estimator]}: use one that needs "
+            f"only the rewards ({ESTIMATORS_ON_REWARDS})"
+        )
+    return None
+
 
 #: Who launched the run whose trainer is built in this context: "cli" (``verl-remote train``, through
 #: ``RemoteTaskRunner``) or "verl" (verl's own launcher, ``python -m verl.trainer.main_ppo``, or ``ray job submit``

@@ -131,6 +131,8 @@ class RemotePPOTrainer(PPOTrainerSync):
         if not self.launched_by_cli:
             from verl_remote.runtime.cluster import check_cluster_paths
 
+            if problem := names.estimator_problem(config):
+                raise ValueError(problem)
             if problem := single_forwarder_problem(
                 config, self.backend_name, backend_class.requires_single_forwarder()
             ):

@@ -29,6 +29,7 @@ from packaging.version import Version
 from conftest import ROOT, read_until, run, steps
 from verl_remote.demo.assets import default_cache_dir
 from verl_remote.testing import CHECKS
+from verl_remote.testing.gradient import every_loss
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +154,7 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         assert Version(sdk.stdout.strip()) >= Version(NEWEST_TINKER_AT_RELEASE), sdk.stdout + sdk.stderr
         checked = paste(  # on the model the server serves (the quick start's recipe trains it too)
             ".venv/bin/verl-remote check tinker remote_backend.base_url=http://127.0.0.1:8000 "
-            "actor_rollout_ref.model.path=verl-remote://demo/lora-model --losses gspo",
+            "actor_rollout_ref.model.path=verl-remote://demo/lora-model --losses all",
             checkout.folder,
             900,
         )
@@ -163,11 +164,13 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
         said = checked.stdout.strip().splitlines()[-1]
         assert said == f"check tinker: {len(CHECKS)} passed, 0 failed", checked.stdout[-3000:]
-        # verl's gradient of a sequence-level policy loss through Tinker's importance-sampling loss, with the newest
-        # SDK (the default loss under another aggregation, against the oldest: tests/tinker_service's
-        # test_the_gradient_the_service_applies_is_verls; every loss: docs/measurements.md, "Every loss on every
-        # backend"; each loss asked loads a checkpoint, which on SkyRL's server makes a training client).
-        assert "[ok  ] gradient: loss_mode=gspo: verl's update within " in checked.stdout, checked.stdout[-3000:]
+        # Every policy loss verl has, every aggregation and the KL loss, each through Tinker's importance-sampling
+        # loss as verl's gradient, with the newest SDK: the matrix's Tinker column (the local backend's:
+        # tests/test_check.py; Arctic's: tests/arctic/test_arctic_check.py). Each loss asked loads a checkpoint
+        # twice, which on SkyRL's server makes a training client: about 9 s a loss (docs/measurements.md).
+        assert f"[ok  ] gradient: {len(every_loss())} losses: verl's update within " in checked.stdout, (
+            checked.stdout[-3000:]
+        )
         assert re.search(
             r"\[ok  \] overlap: not asked: the backend declines overlapped runs \(SkyRL's Tinker server samples a LoRA "
             r"model from the adapter its optimizer steps",

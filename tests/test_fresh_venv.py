@@ -168,9 +168,9 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         # loss as verl's gradient, with the newest SDK: the matrix's Tinker column (the local backend's:
         # tests/test_check.py; Arctic's: tests/arctic/test_arctic_check.py). Each loss asked loads a checkpoint
         # twice, which on SkyRL's server makes a training client: about 9 s a loss (docs/measurements.md).
-        assert f"[ok  ] gradient: {len(every_loss())} losses: verl's update within " in checked.stdout, (
-            checked.stdout[-3000:]
-        )
+        assert f"[ok  ] gradient: {len(every_loss())} losses: verl's update within " in checked.stdout, checked.stdout[
+            -3000:
+        ]
         assert re.search(
             r"\[ok  \] overlap: not asked: the backend declines overlapped runs \(SkyRL's Tinker server samples a LoRA "
             r"model from the adapter its optimizer steps",

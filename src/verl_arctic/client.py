@@ -267,8 +267,8 @@ class ArcticClient:
         result: dict[str, Any] = self.call("step", job_id=job_id, body=body)
         return result
 
-    def save(self, job_id: int, path: str, step: int) -> dict[str, Any]:
-        body = {"path": path, "step": step} if self.generation == "main" else None
+    def save(self, job_id: int, path: str, step: int, *, export_hf: bool = False) -> dict[str, Any]:
+        body = {"path": path, "step": step, "export_hf": export_hf} if self.generation == "main" else None
         result: dict[str, Any] = self.call("save", job_id=job_id, body=body)
         return result
 

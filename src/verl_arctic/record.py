@@ -11,12 +11,15 @@ from typing import Any
 
 from verl_arctic.client import ArcticClient, ArcticError
 
-__all__ = ["JOBS_FILE", "RUN_DIR_PREFIX", "clean_up_after_a_dead_run"]
+__all__ = ["JOBS_FILE", "POINTER_FILE", "RUN_DIR_PREFIX", "clean_up_after_a_dead_run"]
 
 log = logging.getLogger(__name__)
 
 #: In the run's checkpoint folder while the run's jobs exist (see ArcticBackend.write_record).
 JOBS_FILE = "arctic_jobs.json"
+
+#: Beside the server's checkpoint of a step, in verl's checkpoint folder: the step, the server, the protocol.
+POINTER_FILE = "arctic_checkpoint.json"
 
 #: The training job's ``checkpoint_path`` is ``<checkpoint folder>/<RUN_DIR_PREFIX><run id>``: a folder no other
 #: run sends, so that a recorded job can be told from another run's job with the same id

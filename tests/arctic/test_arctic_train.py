@@ -22,6 +22,7 @@ from conftest import (
     arctic_jobs,
     arctic_process,
     assert_two_turn_run,
+    cli,
     finish,
     free_port,
     last_line,
@@ -159,6 +160,15 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     with arctic_process("main", tmp_path / "server-back.log", "--without-sampled-logprobs", port=port):
         asked = train(tmp_path, *arctic, "trainer.total_training_steps=8")
         jobs = arctic_jobs(url)
+        exported = {step: _export(ckpt, step, tmp_path / f"hf-{step}") for step in ("2", "latest")}
+        assert arctic_jobs(url) == {}  # the export's own training job, destroyed
+    gone = cli("export", str(ckpt), "--out", str(tmp_path / "hf-gone"))
+    assert gone.returncode == 2 and last_line(gone.stderr).startswith("verl-remote export: error: "), gone.stderr
+    assert f"start it at {url} (remote_backend.comms.url, as the run recorded it)" in last_line(gone.stderr)
+    adapter = cli("export", str(ckpt), "--adapter", "--out", str(tmp_path / "hf-gone"))
+    assert adapter.returncode == 2 and "verl-arctic trains every weight of the model" in last_line(adapter.stderr)
+    assert not (tmp_path / "hf-gone").exists()
+    _assert_exports_what_training_saved(ckpt, exported)
     assert asked.returncode == 1, asked.stderr[-3000:]
     said = f"Arctic's /generate at {url} was asked for sampled log-probs (logprobs=0) but answered with no "
     failed = re.fullmatch(
@@ -177,3 +187,38 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     assert jobs == {}  # destroyed on the way out
     assert not (ckpt / "arctic_jobs.json").exists()
     assert left_behind(tmp_path) == {}
+
+
+def _export(ckpt: Path, step: str, out: Path) -> Path:
+    """``verl-remote export`` of one step of the run in ``ckpt``, on the server that holds no job: a training job of
+    the export's own loads the step and writes it with /save's export_hf."""
+    done = cli("export", str(ckpt), "--step", step, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(rf"^verl-remote: exported step {6 if step == 'latest' else step} to {out} \(", done.stdout, re.M)
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert not list(ckpt.rglob(".arctic-export-*")) and not list(ckpt.rglob("arctic-run-export-*"))
+    return out
+
+
+def _assert_exports_what_training_saved(ckpt: Path, exported: dict[str, Path]) -> None:
+    """Each exported folder holds the weights the server saved for its step (so its log-probs are the server's:
+    the conformance check compares them, tests/arctic/test_arctic_check.py), which training moved from the initial
+    model, and moved further by step 6."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_remote.runtime.record import read_run_record
+
+    record = read_run_record(str(ckpt))
+    assert record is not None
+    initial = AutoModelForCausalLM.from_pretrained(str(record.actor_rollout_ref.model.path), dtype=torch.float32)
+    moved = {}
+    for step, out in exported.items():
+        number = 6 if step == "latest" else int(step)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        [state] = (ckpt / f"global_step_{number}" / "actor" / "arctic" / f"checkpoint-{number}").glob("*/state.pt")
+        saved = torch.load(state, weights_only=True)["model"]
+        for name, weight in model.items():
+            assert torch.equal(weight, saved[name]), (step, name)
+        moved[step] = max((model[name] - w).abs().max().item() for name, w in initial.state_dict().items())
+    assert moved["2"] > 0 and moved["latest"] > 0 and moved["2"] != moved["latest"], moved

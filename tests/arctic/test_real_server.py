@@ -175,7 +175,8 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         recorded = json.loads((dead / JOBS_FILE).read_text())["jobs"]
         arctic.restart()
 
-    proc = start(tmp_path, *([] if beside_a_dead_run else kl_and_a_save), *settings, "trainer.total_training_steps=2")
+    saves = ["trainer.save_freq=2"] if beside_a_dead_run else kl_and_a_save
+    proc = start(tmp_path, *saves, *settings, "trainer.total_training_steps=2")
     seen = ""
     try:
         seen = "".join(read_until(proc, step_row(1)))
@@ -201,6 +202,14 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step
     assert arctic_jobs(arctic.url) == {}
     if beside_a_dead_run:
+        # The step-2 checkpoint out as a Hugging Face folder by Arctic's own /save with export_hf, from a training
+        # job the export makes, loads the step into and destroys (Arctic's server writes no tokenizer: the run's).
+        out = tmp_path / "hf"
+        code, said, err = cli_main("export", str(tmp_path / "ckpt"), "--out", str(out))
+        assert code == 0, err[-3000:]
+        assert f"verl-remote: exported step 2 to {out} (" in said
+        assert arctic_jobs(arctic.url) == {}
+        _assert_trained_export(out)
         return
 
     kl = metric(log, "actor/kl_loss")
@@ -215,6 +224,9 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     assert code == 2, err[-3000:]  # refused before anything starts (cli_main fails if Ray started)
     assert f"Arctic protocol v0.1 at {arctic.url}" in last_line(err) and "has no load-checkpoint call" in last_line(err)
     assert "set trainer.resume_mode=disable to start over" in last_line(err)
+    code, _out, err = cli_main("export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
+    assert code == 2, err[-3000:]
+    assert "the run saved step 2 on Arctic protocol v0.1, which cannot export it" in last_line(err), err[-3000:]
     assert arctic_jobs(arctic.url) == {}
 
 
@@ -241,3 +253,20 @@ def test_our_test_server_answers_every_route_as_arctics_own_server(arctic: Arcti
         # conversation's "training without a checkpoint path": ray_server.py asserts the path only after the
         # workers start), so no training job starts on that server again: this test comes last.
         assert theirs[-1].step == "training after that" and theirs[-1].status != 200
+
+
+def _assert_trained_export(out: Path) -> None:
+    """A model folder transformers loads, with the tokenizer, whose weights training moved from the initial
+    model's. (Its log-probs are not compared with the server's: Arctic's engines compute in bf16 whatever the client
+    asks, and /save's export writes the fp32 master weights, arctic-platform 0.1.4 common/deepspeed_worker.py:625-656;
+    the test server, fp32, shows the equality: tests/arctic/test_arctic_check.py.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    AutoTokenizer.from_pretrained(out)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(_model(), dtype=torch.float32).state_dict()
+    assert exported.keys() == initial.keys()
+    moved = max((exported[name] - weight).abs().max().item() for name, weight in initial.items())
+    assert moved > 0, moved

@@ -510,10 +510,8 @@ class State:
         pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
         with self.lock:
             self.training.model.save(directory)
-        if request.export_hf:
-            hf = os.path.join(directory, "hf")
-            self.training.model.model.save_pretrained(hf)
-            self.training.model.tokenizer.save_pretrained(hf)
+        if request.export_hf:  # rank 0's save_pretrained of the weights, no tokenizer (deepspeed_worker.py:625-656)
+            self.training.model.model.save_pretrained(os.path.join(directory, "hf"), safe_serialization=True)
         if request.step is not None:
             pathlib.Path(root, "latest").write_text(str(int(request.step)))
         if request.save_total_limit is not None and int(request.save_total_limit) > 0:

@@ -190,6 +190,10 @@ def test_export_writes_each_step_as_a_model_folder_with_the_engines_log_probs_an
         ): f"--step 3: {ckpt} has no complete checkpoint of step 3 (it has 2, 4)",
         ("--out", str(ckpt)): f"--out {ckpt}: it exists and is not an empty folder; name a new one",
         ("--adapter", "--out", str(tmp_path / "a")): "the local backend trains every weight of the model (no LoRA)",
+        ("--out", str(tmp_path / "a"), "data.train_batch_size=4"): "'data.train_batch_size=4': an export takes the "
+        "backend's settings only, as remote_backend.KEY=VALUE",
+        ("--out", str(tmp_path / "a"), "remote_backend.no_such=1"): "remote_backend.no_such: the run's backend has no "
+        "such setting",
     }
     for words, said in refusals.items():
         code, _out, err = cli_main("export", str(ckpt), *words)

@@ -206,6 +206,23 @@ class TinkerBackend(RemoteBackend):
         with open(os.path.join(path, CHECKPOINT_FILE), "w") as f:
             json.dump({"step": step, **state}, f, indent=2)
 
+    @classmethod
+    def export(cls, main_config: Any, step: int, path: str, out: str, *, adapter: bool = False) -> None:
+        """The step's LoRA from the service (its sampler checkpoint's archive), merged into the run's base model,
+        or with ``adapter`` as a PEFT adapter folder (:mod:`verl_remote_tinker.export`)."""
+        from verl_remote_tinker.export import export_step
+
+        record = os.path.join(path, CHECKPOINT_FILE)
+        if not os.path.isfile(record):
+            raise ValueError(f"{record} is missing: this checkpoint was not saved by verl-remote-tinker")
+        with open(record) as f:
+            state = json.load(f)
+        settings = as_dict(main_config.remote_backend)
+        _healthy(settings)
+        export_step(
+            settings, str(state["tinker_path"]), main_config.actor_rollout_ref.model, step, out, adapter=adapter
+        )
+
     async def load_checkpoint(self, step: int, path: str) -> None:
         record = os.path.join(path, CHECKPOINT_FILE)
         if not os.path.isfile(record):

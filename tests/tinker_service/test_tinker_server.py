@@ -24,6 +24,7 @@ from test_local_server import listening, session_processes, wait_gone
 
 from conftest import (
     assert_two_turn_run,
+    cli,
     finish,
     free_port,
     last_line,
@@ -378,6 +379,7 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert record["step"] == 2 and record["tinker_path"].startswith("tinker://")
     assert _loaded(tinker_server) == []  # destroy unloaded the run's model
     assert ray_left_behind() == {}
+    _export_the_step_two_ways(tinker_server, tmp_path, limited.url)
 
     # Resumed, overlapped (trainer.v1.trainer_mode=remote_async: each next step sampled while this one trains;
     # remote_backend.snapshot_sampling=true takes SkyRL's server for a snapshot service, as hosted Tinker is, to
@@ -427,3 +429,57 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     written = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and p.suffix in {".json", ".log", ".txt"}]
     assert any(p.name == "tinker_checkpoint.json" for p in written) and any(p.suffix == ".log" for p in written)
     assert [p for p in written if key in p.read_text(errors="replace")] == []
+
+
+def _export_the_step_two_ways(server: LocalServer, tmp_path: Path, recorded_url: str) -> None:
+    """`verl-remote export` of the run's step 2, from the service: the LoRA merged into the base model, and alone
+    as a PEFT folder. The run recorded the proxy's address, gone now: refused in one line, then exported with the
+    service's address given. The merged model's log-probs are the service's for the same checkpoint (a session
+    loads it); PEFT merges the adapter folder into the same weights; training moved them from the base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "ckpt"
+    gone = cli("export", str(ckpt), "--out", str(tmp_path / "hf"), env=SECRET)
+    assert gone.returncode == 2, gone.stderr[-3000:]
+    assert f"remote_backend.base_url={recorded_url}: nothing answers there" in last_line(gone.stderr), gone.stderr
+    for adapter in ([], ["--adapter"]):
+        out = tmp_path / ("adapter" if adapter else "hf")
+        done = cli(
+            "export", str(ckpt), "--out", str(out), *adapter, f"remote_backend.base_url={server.url}", env=SECRET
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"verl-remote: exported step 2 to {out} (" in done.stdout
+    assert _loaded(server) == []  # the export's training client, unloaded
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert SECRET["TINKER_API_KEY"] not in done.stdout + done.stderr
+
+    rows = [[3, 4, 5, 6, 7, 8, 9, 10], [3, 4, 11, 12, 13], [3, 14, 15, 16, 17, 18]]
+    record = json.loads((ckpt / "global_step_2" / "actor" / "tinker_checkpoint.json").read_text())
+    settings = {
+        "base_url": server.url, "api_key_env": "TINKER_API_KEY", "timeout_s": 120, "max_retries": 1,
+        "lora_rank": 4, "train_mlp": True, "train_attn": True, "train_unembed": True,
+    }  # fmt: skip
+
+    async def theirs() -> list[np.ndarray]:
+        session = TinkerSession(settings, server.model, {"lr": 1e-2, "total_training_steps": 2})
+        await session.start()
+        try:
+            await session.load({"tinker_path": record["tinker_path"], "schedule_steps": 0})
+            return [np.asarray(v) for v in await session.forward(rows)]
+        finally:
+            await session.close()
+
+    service = asyncio.run(theirs())
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for row, scored in zip(rows, service, strict=True):
+            logits = merged(input_ids=torch.tensor([row])).logits[0]
+            ours = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(row[1:])[:, None])[:, 0].numpy()
+            assert np.abs(ours - scored[: len(row) - 1]).max() < 1e-4, (ours, scored)
+    base = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32)
+    moved = max((merged.state_dict()[n] - w).abs().max().item() for n, w in base.state_dict().items())
+    assert moved > 0, moved
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    for name, weight in merged.state_dict().items():
+        assert torch.allclose(peft[name], weight, atol=1e-6), name

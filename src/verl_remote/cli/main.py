@@ -199,7 +199,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from verl_remote.runtime.export import plan_export, run_export
 
     try:
-        run_export(plan_export(args.run_dir, args.step, args.out, adapter=args.adapter))
+        run_export(plan_export(args.run_dir, args.step, args.out, adapter=args.adapter, overrides=args.overrides))
     except ValueError as exc:  # refused by the plan (a ConfigError) or by the backend, in its words
         if args.traceback:
             raise
@@ -360,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter",
         action="store_true",
         help="a LoRA run: write the adapter alone (a PEFT folder) instead of merging it into the base model",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="remote_backend.KEY=VALUE",
+        help="settings of the backend to use instead of the run's recorded ones, e.g. the service's new address "
+        "(remote_backend.base_url=..., remote_backend.comms.url=...)",
     )
     p.set_defaults(func=_cmd_export)
 

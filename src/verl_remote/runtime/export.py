@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,8 +93,9 @@ def _choose_step(folder: str, asked: str) -> int:
     return step
 
 
-def plan_export(run_dir: str, step: str, out: str, *, adapter: bool) -> ExportPlan:
-    """Everything ``export`` checks before it reads a weight; raises :class:`ConfigError` with the reason."""
+def plan_export(run_dir: str, step: str, out: str, *, adapter: bool, overrides: Sequence[str] = ()) -> ExportPlan:
+    """Everything ``export`` checks before it reads a weight; raises :class:`ConfigError` with the reason.
+    ``overrides`` (``remote_backend.KEY=VALUE``) replace the backend's recorded settings: a service that moved."""
     from verl_remote.runtime.record import RUN_RECORD, read_run_record
 
     folder = os.path.abspath(os.path.expanduser(run_dir))
@@ -105,6 +107,7 @@ def plan_export(run_dir: str, step: str, out: str, *, adapter: bool) -> ExportPl
             f"{run_dir}: no {RUN_RECORD} there, so not the folder of a verl-remote run (or of one older than the "
             "record): give the run's trainer.default_local_dir"
         )
+    _override(config, overrides)
     chosen = _choose_step(folder, step)
     target = Path(os.path.abspath(os.path.expanduser(out)))
     _refuse_in_use(target, f"--out {out}")
@@ -112,6 +115,26 @@ def plan_export(run_dir: str, step: str, out: str, *, adapter: bool) -> ExportPl
     backend = _exporter(name, "")
     part = os.path.join(folder, f"global_step_{chosen}", "actor")
     return ExportPlan(config, name, backend, chosen, part, target, adapter)
+
+
+_ABSENT = object()
+
+
+def _override(config: Any, overrides: Sequence[str]) -> None:
+    """The run's recorded ``remote_backend`` settings, with ``overrides`` (and nothing else) replaced."""
+    from omegaconf import OmegaConf, open_dict
+
+    for said in overrides:
+        key, eq, _ = said.partition("=")
+        if not eq or not key.startswith("remote_backend.") or key == "remote_backend.name":
+            raise ConfigError(
+                f"{said!r}: an export takes the backend's settings only, as remote_backend.KEY=VALUE (for example a "
+                "service's new address); the model, the data and the backend are the run's"
+            )
+        if OmegaConf.select(config, key, default=_ABSENT) is _ABSENT:
+            raise ConfigError(f"{key}: the run's backend has no such setting (see its remote_backend in the record)")
+        with open_dict(config):
+            OmegaConf.update(config, key, OmegaConf.select(OmegaConf.from_dotlist([said]), key), merge=False)
 
 
 def _size(folder: Path) -> int:

@@ -336,6 +336,13 @@ def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, 
     [log] = re.findall(r"the full output goes to (\S+)", out.stdout)
     diffs = [float(x) for x in re.findall(r"training/rollout_probs_diff_max:([-\d.e]+)", Path(log).read_text())]
     assert len(diffs) == 12 and max(diffs) < 1e-4, diffs
+    # The run exported its last step (remote_export.out): vLLM loads the folder, and its log-probs are
+    # transformers' (fp32 both).
+    assert re.search(r"^verl-remote: exported step 12 to .*/models/vllm-demo \(", out.stdout, re.M), out.stdout[-3000:]
+    served = paste(".venv/bin/python tests/vllm_loads_export.py models/vllm-demo", checkout.folder, timeout=600)
+    assert served.returncode == 0, served.stdout[-3000:] + served.stderr[-3000:]
+    [agree] = re.findall(r"^vLLM and transformers agree on the exported model to (\S+)$", served.stdout, re.M)
+    assert float(agree) < 1e-4, agree
 
     checked = paste(check, checkout.folder, timeout=900)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]

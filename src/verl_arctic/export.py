@@ -48,8 +48,8 @@ def export_step(main_config: Any, step: int, path: str, out: str) -> None:
             "into a job that could (protocol main, arctic-platform >= 0.1.3, has both)"
         )
     server = None
-    if not _answers(arctic.url, arctic) and arctic.launch:  # the run launched its server, which ended with it
-        print(f"verl-arctic: starting the Arctic server the run launched ({arctic.launch})", flush=True)
+    if arctic.launch and not _answers(arctic):  # the run launched its server, which ended with it
+        print(f"verl-arctic: starting the Arctic server (remote_backend.comms.launch: {arctic.launch})", flush=True)
         server = launch_server(arctic.launch, arctic.url, arctic.startup_timeout)
     try:
         if server is None:
@@ -75,15 +75,15 @@ def _pointer(path: str) -> dict[str, Any]:
         return dict(json.load(fp))
 
 
-def _answers(url: str, arctic: Any) -> bool:
+def _answers(arctic: ArcticSettings) -> bool:
     try:
-        probe_health(url, timeout=arctic.connect_timeout, headers=arctic.headers)
+        probe_health(arctic.url, timeout=arctic.connect_timeout, headers=arctic.headers)
     except ArcticError:
         return False
     return True
 
 
-def _reachable(arctic: Any) -> None:
+def _reachable(arctic: ArcticSettings) -> None:
     """The server answers and speaks main; otherwise ``ValueError`` saying what to start."""
     try:
         probe_health(arctic.url, timeout=arctic.connect_timeout, headers=arctic.headers)

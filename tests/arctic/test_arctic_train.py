@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -165,10 +166,17 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     gone = cli("export", str(ckpt), "--out", str(tmp_path / "hf-gone"))
     assert gone.returncode == 2 and last_line(gone.stderr).startswith("verl-remote export: error: "), gone.stderr
     assert f"start it at {url} (remote_backend.comms.url, as the run recorded it)" in last_line(gone.stderr)
+    # A run that launched its server (comms.launch) has it launched again, and stopped after.
+    launch = f"remote_backend.comms.launch=python -m verl_arctic.testing.server --port {port} --api main"
+    launched = cli("export", str(ckpt), "--step", "4", "--out", str(tmp_path / "hf-launched"), launch)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "verl-arctic: starting the Arctic server (remote_backend.comms.launch: python -m " in launched.stdout
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # the launched server is stopped
     adapter = cli("export", str(ckpt), "--adapter", "--out", str(tmp_path / "hf-gone"))
     assert adapter.returncode == 2 and "verl-arctic trains every weight of the model" in last_line(adapter.stderr)
     assert not (tmp_path / "hf-gone").exists()
-    _assert_exports_what_training_saved(ckpt, exported)
+    _assert_exports_what_training_saved(ckpt, {**exported, "4": tmp_path / "hf-launched"})
     assert asked.returncode == 1, asked.stderr[-3000:]
     said = f"Arctic's /generate at {url} was asked for sampled log-probs (logprobs=0) but answered with no "
     failed = re.fullmatch(
@@ -214,7 +222,7 @@ def _assert_exports_what_training_saved(ckpt: Path, exported: dict[str, Path]) -
     initial = AutoModelForCausalLM.from_pretrained(str(record.actor_rollout_ref.model.path), dtype=torch.float32)
     moved = {}
     for step, out in exported.items():
-        number = 6 if step == "latest" else int(step)
+        number = 6 if step == "latest" else int(step)  # each step its own weights: 2, 4 and 6
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
         [state] = (ckpt / f"global_step_{number}" / "actor" / "arctic" / f"checkpoint-{number}").glob("*/state.pt")
         saved = torch.load(state, weights_only=True)["model"]

@@ -125,6 +125,8 @@ def test_the_arctic_quick_start_as_pasted(checkout: Checkout) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert steps(out.stdout) == [0, 1, 2]  # the demo validates before training
     assert not run("pgrep", "-f", "verl_arctic.testing.server --port 7000").stdout  # the run stopped its server
+    # Exported at the end by the run's own training job (remote_export.out); vLLM loads it in the vLLM test.
+    assert re.search(r"^verl-remote: exported step 2 to .*/models/arctic-demo \(", out.stdout, re.M), out.stdout
 
 
 def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
@@ -147,6 +149,8 @@ def test_the_tinker_quick_start_as_pasted(checkout: Checkout) -> None:
         out = paste(train, checkout.folder, timeout=900)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert steps(out.stdout) == [0, 1, 2]
+        # The LoRA merged into the base model at the end, with the newest SDK; vLLM loads it in the vLLM test.
+        assert re.search(r"^verl-remote: exported step 2 to .*/models/tinker-demo \(", out.stdout, re.M), out.stdout
 
         # The install brought the newest tinker SDK of verl-remote-tinker's range (the suite's environment runs the
         # oldest, 0.25.0): every call the backend makes, a checkpoint saved and loaded included, with that SDK.
@@ -336,13 +340,15 @@ def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, 
     [log] = re.findall(r"the full output goes to (\S+)", out.stdout)
     diffs = [float(x) for x in re.findall(r"training/rollout_probs_diff_max:([-\d.e]+)", Path(log).read_text())]
     assert len(diffs) == 12 and max(diffs) < 1e-4, diffs
-    # The run exported its last step (remote_export.out): vLLM loads the folder, and its log-probs are
-    # transformers' (fp32 both).
+    # The run exported its last step (remote_export.out), as the Arctic and Tinker quick starts did theirs: vLLM
+    # loads each folder, and its log-probs are transformers' (fp32 both).
     assert re.search(r"^verl-remote: exported step 12 to .*/models/vllm-demo \(", out.stdout, re.M), out.stdout[-3000:]
-    served = paste(".venv/bin/python tests/vllm_loads_export.py models/vllm-demo", checkout.folder, timeout=600)
+    exported = ["models/vllm-demo", "models/arctic-demo", "models/tinker-demo"]
+    served = paste(f".venv/bin/python tests/vllm_loads_export.py {' '.join(exported)}", checkout.folder, timeout=600)
     assert served.returncode == 0, served.stdout[-3000:] + served.stderr[-3000:]
-    [agree] = re.findall(r"^vLLM and transformers agree on the exported model to (\S+)$", served.stdout, re.M)
-    assert float(agree) < 1e-4, agree
+    agree = re.findall(r"^vLLM and transformers agree on (\S+) to (\S+)$", served.stdout, re.M)
+    assert [folder for folder, _ in agree] == exported, served.stdout[-3000:]
+    assert all(float(worst) < 1e-4 for _, worst in agree), agree
 
     checked = paste(check, checkout.folder, timeout=900)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]

@@ -69,3 +69,28 @@ def test_a_run_refused_in_a_held_folder_leaves_its_checkpoints_as_they_were(tmp_
     assert code == 2, err[-2000:]
     assert "another verl-remote run (pid " in err
     assert (folder / TRACKER).read_text() == "4"
+
+
+def test_a_folder_holding_another_backends_run_is_refused_before_ray_by_both_launchers(
+    tmp_path: Path, cli_main: Any
+) -> None:
+    """A run resumes from the checkpoint its folder holds; one of another backend's run (the folder's
+    verl-remote-run.yaml says whose) cannot be read: refused in one line, naming the way out, and nothing in the
+    folder touched. verl's own launcher refuses it in the same words when it builds the trainer."""
+    from verl_remote.discovery.compose import compose_config
+    from verl_remote.integration.trainer import RemotePPOTrainer
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "verl-remote-run.yaml").write_text("remote_backend:\n  name: arctic\n")
+    (folder / TRACKER).write_text("2")
+    said = (
+        f"trainer.default_local_dir={folder} holds the checkpoints of a run of backend 'arctic' (its "
+        "verl-remote-run.yaml), which backend 'local' cannot resume: give this run a folder of its own"
+    )
+    code, _out, err = cli_main("train", f"trainer.default_local_dir={folder}")
+    assert code == 2 and said in err.strip().splitlines()[-1], err[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == [TRACKER, "verl-remote-run.yaml"]
+    config = compose_config(["remote_backend=local", f"trainer.default_local_dir={folder}"], recipe="demo")
+    with pytest.raises(ValueError, match=r"holds the checkpoints of a run of backend 'arctic'"):
+        RemotePPOTrainer(config)

@@ -149,6 +149,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl.utils.config import validate_config
 
     from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME, estimator_problem
+    from verl_remote.runtime.record import resume_problem
 
     if config.get("remote_backend") is None:
         raise ConfigError("no backend selected: add remote_backend=<name> (see 'verl-remote list')")
@@ -158,6 +159,8 @@ def prepare_config(config: DictConfig) -> DictConfig:
             f"this one trains) for verl-remote (got {config.trainer.v1.trainer_mode!r})"
         )
     if problem := estimator_problem(config):
+        raise ConfigError(problem)
+    if problem := resume_problem(config):
         raise ConfigError(problem)
     if config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
         raise ConfigError(

@@ -65,7 +65,7 @@ from verl_remote.kit.errors import one_line
 from verl_remote.runtime.checkpoints import resume_target, seal
 from verl_remote.runtime.export import check_export_setting, export_at_end
 from verl_remote.runtime.layout import single_forwarder_problem
-from verl_remote.runtime.record import write_run_record
+from verl_remote.runtime.record import resume_problem, write_run_record
 from verl_remote.runtime.summary import REWARD_METRIC, RunSummary
 
 __all__ = [
@@ -131,7 +131,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         if not self.launched_by_cli:
             from verl_remote.runtime.cluster import check_cluster_paths
 
-            if problem := names.estimator_problem(config):
+            if problem := names.estimator_problem(config) or resume_problem(config):
                 raise ValueError(problem)
             if problem := single_forwarder_problem(
                 config, self.backend_name, backend_class.requires_single_forwarder()

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["RUN_RECORD", "read_run_record", "write_run_record"]
+__all__ = ["RUN_RECORD", "read_run_record", "resume_problem", "write_run_record"]
 
 RUN_RECORD = "verl-remote-run.yaml"
 
@@ -44,3 +44,23 @@ def read_run_record(folder: str) -> DictConfig | None:
     config = OmegaConf.load(path)
     assert isinstance(config, DictConfig)
     return config
+
+
+def resume_problem(config: Any) -> str | None:
+    """Why the run cannot resume from the checkpoint its folder holds (``trainer.resume_mode=auto``): the folder's
+    record names another backend, whose checkpoints this one cannot read; None otherwise."""
+    from verl_remote.runtime.checkpoints import resumes_from_checkpoint
+
+    if str(config.trainer.get("resume_mode", "auto")) != "auto" or not resumes_from_checkpoint(config):
+        return None
+    folder = str(config.trainer.default_local_dir)
+    recorded = read_run_record(folder)
+    theirs = None if recorded is None else OmegaConf.select(recorded, "remote_backend.name", default=None)
+    mine = str(config.remote_backend.name)
+    if theirs is None or str(theirs) == mine:
+        return None
+    return (
+        f"trainer.default_local_dir={folder} holds the checkpoints of a run of backend '{theirs}' (its {RUN_RECORD}), "
+        f"which backend '{mine}' cannot resume: give this run a folder of its own (trainer.default_local_dir, or "
+        "trainer.experiment_name), or set trainer.resume_mode=disable to start over there"
+    )

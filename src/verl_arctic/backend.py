@@ -20,7 +20,7 @@ from typing import Any
 
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
 from verl_arctic.export import export_step
-from verl_arctic.jobs import job_configs, refusal_hint
+from verl_arctic.jobs import create_job, job_configs
 from verl_arctic.launch import launch_server, require_free_port
 from verl_arctic.record import JOBS_FILE, POINTER_FILE, RUN_DIR_PREFIX, clean_up_after_a_dead_run
 from verl_arctic.settings import ArcticSettings, check_server_size
@@ -98,19 +98,7 @@ class ArcticBackend(RemoteBackend):
             for job_type, body in bodies.items():
                 if job_type == "sampling" and int(settings.get("sampling_gpus", 1)) <= 0:
                     continue
-                try:
-                    job_id = client.initialize(body)
-                except ArcticError as exc:
-                    if exc.status == 409:
-                        raise ArcticError(
-                            f"{exc}. The server holds another run's {job_type} job (Arctic runs one of each per "
-                            "server): wait until that run ends, or set remote_backend.comms.url to another server",
-                            status=409,
-                        ) from exc
-                    if exc.status != 500:
-                        raise
-                    hint = refusal_hint(job_type, body, client.generation)
-                    raise ArcticError(f"{exc}. {hint}", status=500) from exc
+                job_id = create_job(client, job_type, body)
                 backend.jobs[job_type] = job_id
                 backend.write_record()
                 client.wait_running(job_id, timeout)

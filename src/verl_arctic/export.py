@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
-from verl_arctic.jobs import job_configs
+from verl_arctic.jobs import create_job, job_configs
 from verl_arctic.launch import launch_server
 from verl_arctic.record import JOBS_FILE, POINTER_FILE, RUN_DIR_PREFIX
 from verl_arctic.settings import ArcticSettings, check_server_size
@@ -107,13 +107,10 @@ def _training_job(client: ArcticClient, main_config: Any, path: str, timeout: fl
     body = job_configs(main_config, "main")["training"]
     body["checkpoint_path"] = os.path.join(path, RUN_DIR_PREFIX + "export-" + uuid.uuid4().hex)
     try:
-        made = client.initialize(body)
+        made = create_job(client, "training", body)
     except ArcticError as exc:
-        if exc.status == 409:
-            raise ValueError(
-                f"the Arctic server at {client.url} holds another run's training job (Arctic runs one per server), "
-                "so it cannot load this checkpoint now: export when that run ends"
-            ) from None
+        if exc.status == 409:  # the server is busy, not the export broken: a refusal (exit 2)
+            raise ValueError(str(exc)) from None
         raise
     try:
         client.wait_running(made, timeout)

@@ -3,7 +3,8 @@
 Pure functions of verl's and ``remote_backend.*``'s settings, no I/O: :func:`job_configs` builds the sampling,
 reference ``log_prob`` and training jobs' bodies for a protocol generation (docs/arctic-backend.md maps each
 key), and :func:`refusal_hint` says what in a body Arctic's DeepSpeed is known to refuse when the server answers
-its bare 500. (The loss travels with each update: :mod:`verl_arctic.loss`.)
+its bare 500. :func:`create_job` sends one body through a client, its refusals explained. (The loss travels
+with each update: :mod:`verl_arctic.loss`.)
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import json
 import os
 from typing import Any
 
+from verl_arctic.client import ArcticClient, ArcticError
 from verl_remote import as_dict
 
-__all__ = ["job_configs", "refusal_hint"]
+__all__ = ["create_job", "job_configs", "refusal_hint"]
 
 
 def _training_steps(config: Any, actor: dict[str, Any]) -> int | None:
@@ -217,3 +219,20 @@ def refusal_hint(job_type: str, body: dict[str, Any], generation: str) -> str:
         hints.append("a forward-only DeepSpeed engine cannot use ZeRO stage 1 or 2")
     hints.append(f"the server's own log names the cause (the {job_type} job's body is {json.dumps(body)[:2000]})")
     return "; ".join(hints)
+
+
+def create_job(client: ArcticClient, job_type: str, body: dict[str, Any]) -> int:
+    """``/initialize`` of one job; a 409 (the server's one job of that type is another run's) and a bare 500 (what
+    DeepSpeed refused, :func:`refusal_hint`) raised as ``ArcticError`` with what to do."""
+    try:
+        return client.initialize(body)
+    except ArcticError as exc:
+        if exc.status == 409:
+            raise ArcticError(
+                f"{exc}. The server holds another run's {job_type} job (Arctic runs one of each per "
+                "server): wait until that run ends, or set remote_backend.comms.url to another server",
+                status=409,
+            ) from exc
+        if exc.status != 500:
+            raise
+        raise ArcticError(f"{exc}. {refusal_hint(job_type, body, client.generation)}", status=500) from exc

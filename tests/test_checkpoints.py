@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from verl_remote.runtime.checkpoints import TRACKER, check, complete_steps, resume_target, seal
+from verl_remote.runtime.checkpoints import RECORD, TRACKER, check, complete_steps, resume_target, seal
 
 pytestmark = pytest.mark.faults
 
@@ -94,3 +94,35 @@ def test_a_folder_holding_another_backends_run_is_refused_before_ray_by_both_lau
     config = compose_config(["remote_backend=local", f"trainer.default_local_dir={folder}"], recipe="demo")
     with pytest.raises(ValueError, match=r"holds the checkpoints of a run of backend 'arctic'"):
         RemotePPOTrainer(config)
+
+
+def test_the_runs_lock_and_log_are_private_and_a_link_planted_there_is_not_followed(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from verl_remote.cli.console import Console
+    from verl_remote.cli.run import LOCK_FILE, hold_run_folder
+    from verl_remote.discovery.compose import ConfigError
+
+    folder = tmp_path / "run"
+    with hold_run_folder(str(folder)):
+        assert stat.S_IMODE((folder / LOCK_FILE).stat().st_mode) == 0o600
+    console = Console()
+    console.open_log(folder / "logs" / "train.log")
+    assert stat.S_IMODE((folder / "logs" / "train.log").stat().st_mode) == 0o600
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("")
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    os.symlink(elsewhere, planted / LOCK_FILE)
+    refused = pytest.raises(ConfigError, match=r"cannot open the run's lock .*a symbolic link there is not followed")
+    with refused, hold_run_folder(str(planted)):
+        pass
+    os.symlink(elsewhere, planted / "train.log")
+    with pytest.raises(OSError):
+        Console().open_log(planted / "train.log")
+    # A checkpoint's record is written through a new temporary file, not a fixed name a link could sit at.
+    step = _save(tmp_path / "ckpt", 1, sealed=False)
+    os.symlink(elsewhere, f"{step}/{RECORD}.tmp")  # where it was written before
+    seal(str(step))
+    assert elsewhere.read_text() == "" and complete_steps(str(tmp_path / "ckpt")) == [1]

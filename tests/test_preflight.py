@@ -16,6 +16,7 @@ from verl_remote.cli.preflight import (
     RANGES,
     PreflightError,
     check_model,
+    check_numbers,
     check_ranges,
     check_resume,
     check_types,
@@ -72,6 +73,8 @@ def test_a_hub_name_is_noted_a_missing_folder_is_refused(monkeypatch: pytest.Mon
         ("trainer.total_training_steps=0", "an integer >= 1"),
         ("trainer.save_freq=-2", "-1 (never)"),
         ("trainer.test_freq=-3", "-1 (never)"),
+        ("trainer.save_freq=0", "-1 (never), or an integer >= 1"),
+        ("trainer.test_freq=0", "-1 (never), or an integer >= 1"),
     ],
 )
 def test_numbers_out_of_range_are_refused_with_the_key_the_value_and_the_range(override: str, words: str) -> None:
@@ -80,6 +83,18 @@ def test_numbers_out_of_range_are_refused_with_the_key_the_value_and_the_range(o
         check_ranges(compose_config([override]))
     assert str(refused.value).startswith(f"{key}={float(value) if value == 'nan' else value}: out of range")
     assert str(refused.value).endswith(words) or words in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["actor_rollout_ref.rollout.n=1.5", "data.train_batch_size=16.5", "data.train_batch_size=16.0",
+     "trainer.save_freq=2.5", "actor_rollout_ref.rollout.top_k=0.5"],
+)  # fmt: skip
+def test_a_fraction_where_verl_counts_is_refused_naming_the_key(override: str) -> None:
+    key, value = override.split("=")
+    with pytest.raises(PreflightError) as refused:
+        check_numbers(compose_config([override]), compose_config())
+    assert str(refused.value).startswith(f"{key}={float(value)}: not an integer; expected ")
 
 
 def test_every_ranged_key_is_one_verl_has_and_the_defaults_and_the_edges_pass() -> None:
@@ -133,6 +148,10 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
         (["actor_rollout_ref.rollout.n=0"], "actor_rollout_ref.rollout.n=0: out of range; expected an integer >= 1"),
         (["actor_rollout_ref.actor.optim.lr=-1e-5"], "actor_rollout_ref.actor.optim.lr=-1e-05: out of range"),
         (["actor_rollout_ref.rollout.top_p=1.5"], "actor_rollout_ref.rollout.top_p=1.5: out of range; expected a"),
+        (["actor_rollout_ref.rollout.n=1.5"], "actor_rollout_ref.rollout.n=1.5: not an integer; expected an integer"),
+        (["data.train_batch_size=16.5"], "data.train_batch_size=16.5: not an integer; expected an integer >= 1"),
+        (["trainer.save_freq=0"], "trainer.save_freq=0: out of range; expected -1 (never), or an integer >= 1"),
+        (["trainer.test_freq=0"], "trainer.test_freq=0: out of range; expected -1 (never), or an integer >= 1"),
         (
             ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
             "verl rejected the config: train_batch_size (8) must be >= actor.ppo_mini_batch_size (16)",
@@ -158,6 +177,27 @@ def test_the_cli_refuses_bad_input_with_exit_2_before_ray_starts(
     code, _out, err = cli_main("train", *overrides)  # it fails if Ray was started
     assert code == 2, err[-2000:]
     assert message in last_line(err)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shown"),
+    [
+        (["remote_backend=arctic", "remote_backend.comms.url=http://bob:s3cret@127.0.0.1:1"],
+         "remote_backend.comms.url=http://***@127.0.0.1:1: a user or password in the URL"),
+        (["remote_backend=tinker", "remote_backend.base_url=https://bob:s3cret@tinker.example"],
+         "remote_backend.base_url=https://***@tinker.example: a user or password in the URL"),
+    ],
+)  # fmt: skip
+def test_a_password_in_a_url_is_refused_and_printed_nowhere(
+    overrides: list[str], shown: str, cli_main: Any, tmp_path: Path
+) -> None:
+    folder = f"trainer.default_local_dir={tmp_path / 'run'}"
+    code, out, err = cli_main("train", *overrides, folder)
+    assert code == 2, err[-2000:]
+    assert shown in last_line(err)
+    assert "s3cret" not in out + err and not (tmp_path / "run").exists()
+    code, out, err = cli_main("config", *overrides)
+    assert code == 0 and "s3cret" not in out + err and "***@" in out
 
 
 def test_a_refused_run_makes_nothing(tmp_path: Path, cli_main: Any, monkeypatch: pytest.MonkeyPatch) -> None:

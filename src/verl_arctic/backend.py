@@ -11,20 +11,23 @@ forwarders and rollout servers attach without creating anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import subprocess
+import tempfile
 import uuid
+import warnings
 from typing import Any
 
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
 from verl_arctic.export import export_step
 from verl_arctic.jobs import create_job, job_configs
-from verl_arctic.launch import launch_server, require_free_port
+from verl_arctic.launch import launch_argv, launch_server, require_free_port
 from verl_arctic.record import JOBS_FILE, POINTER_FILE, RUN_DIR_PREFIX, clean_up_after_a_dead_run
 from verl_arctic.settings import ArcticSettings, check_server_size
-from verl_remote import RemoteBackend, as_dict, resumes_from_checkpoint
+from verl_remote import RemoteBackend, as_dict, resumes_from_checkpoint, token_in_clear
 
 __all__ = ["ArcticBackend"]
 
@@ -65,9 +68,18 @@ class ArcticBackend(RemoteBackend):
             "model_name": self.model_name,
             "pid": os.getpid(),
         }
-        with open(f"{self.record}.tmp", "w") as fp:
-            json.dump(body, fp)
-        os.replace(f"{self.record}.tmp", self.record)
+        # A new temporary file (mkstemp: private, and not a link someone planted at a fixed name), then renamed.
+        handle, temporary = tempfile.mkstemp(
+            prefix=f".{os.path.basename(self.record)}.", dir=os.path.dirname(self.record)
+        )
+        try:
+            with os.fdopen(handle, "w") as fp:
+                json.dump(body, fp)
+            os.replace(temporary, self.record)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+            raise
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> ArcticBackend:
@@ -118,7 +130,15 @@ class ArcticBackend(RemoteBackend):
     def preflight(cls, main_config: Any) -> None:
         """The service reachable and Arctic's, its protocol and GPUs as configured, the job configs valid."""
         arctic = ArcticSettings.of(main_config)
+        if arctic.token and token_in_clear(arctic.url):
+            warnings.warn(
+                f"remote_backend.comms.url={arctic.url}: the token goes over plain http to a host that is not this "
+                "machine; use https:// (or a tunnel) where the network is not yours",
+                UserWarning,
+                stacklevel=2,
+            )
         if arctic.launch:
+            launch_argv(arctic.launch)
             require_free_port(arctic.url)
             job_configs(main_config, arctic.api if arctic.api != "auto" else "main")
             return

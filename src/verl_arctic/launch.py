@@ -5,7 +5,9 @@ wait until it answers ``/health``."""
 from __future__ import annotations
 
 import collections
+import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
-__all__ = ["launch_server", "require_free_port"]
+__all__ = ["launch_argv", "launch_server", "require_free_port"]
 
 
 def require_free_port(url: str) -> None:
@@ -68,6 +70,34 @@ def _relay_stderr(proc: subprocess.Popen[bytes], keep: int = 15) -> _Tail:
     return tail
 
 
+def launch_argv(command: str) -> list[str]:
+    """``command`` as the program and arguments to start, the program found: ``python`` is the interpreter
+    verl-remote runs under, with verl-arctic installed, not whichever is first on PATH (a virtual environment
+    used by its path, not activated, is not on it). ``ValueError`` naming the setting for a command that is
+    empty, not split by shell rules, or whose program is not there or cannot be run."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(f"remote_backend.comms.launch={command!r}: cannot split it as a shell would ({exc})") from None
+    if not argv:
+        raise ValueError("remote_backend.comms.launch is empty: give the command that starts the service, or null")
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+        return argv
+    found = shutil.which(argv[0])
+    if found is None:
+        where = "no such file" if os.sep in argv[0] else "not found on PATH"
+        if os.sep in argv[0] and os.path.exists(argv[0]):
+            where = "not executable (chmod +x it, or start the command with its interpreter)"
+        raise ValueError(
+            f"remote_backend.comms.launch={command!r}: the program {argv[0]!r} is {where}; give the command that "
+            "starts the Arctic service (python -m ... runs under verl-remote's interpreter), or null for a service "
+            "already running"
+        )
+    argv[0] = found
+    return argv
+
+
 def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[bytes]:
     """Start the Arctic service with ``command`` and wait until ``url``/health answers.
 
@@ -75,11 +105,7 @@ def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[by
     would answer in its place.
     """
     require_free_port(url)
-    argv = shlex.split(command)
-    if argv and argv[0] in ("python", "python3"):
-        # The interpreter verl-remote runs under, with verl-arctic installed, not whichever is first on PATH
-        # (a virtual environment used by its path, not activated, is not on it).
-        argv[0] = sys.executable
+    argv = launch_argv(command)
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
     tail = _relay_stderr(proc)
     deadline = time.monotonic() + timeout

@@ -4,12 +4,11 @@ export."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from verl_arctic.client import ArcticClient
-from verl_remote import as_dict
+from verl_remote import as_dict, read_token, service_url
 
 __all__ = ["ArcticSettings", "check_server_size"]
 
@@ -33,7 +32,8 @@ class ArcticSettings:
     @classmethod
     def of(cls, main_config: Any) -> ArcticSettings:
         """The settings (all a process attaching to a run needs), or ``ValueError`` naming the key to change: a
-        transport other than HTTP, an empty token variable."""
+        transport other than HTTP, a URL that is not http(s) or holds a password, a token variable or file that
+        is empty or missing."""
         comms = as_dict(main_config.remote_backend)["comms"]
         if comms.get("protocol", "http") != "http":
             raise ValueError(
@@ -41,15 +41,18 @@ class ArcticSettings:
                 "Arctic over HTTP (its Ray transport needs arctic_platform, which pins transformers<5, in verl's "
                 "environment)"
             )
-        token_env = comms.get("token_env")
-        token = os.environ.get(str(token_env)) if token_env else None
-        if token_env and not token:
-            raise ValueError(
-                f"remote_backend.comms.token_env={token_env}: that environment variable is empty; "
-                f"export {token_env}=<token> before the run"
-            )
+        token = read_token(
+            "remote_backend.comms.token_env",
+            comms.get("token_env"),
+            "remote_backend.comms.token_file",
+            comms.get("token_file"),
+        )
         return cls(
-            url=str(comms["url"]).rstrip("/"),
+            url=service_url(
+                "remote_backend.comms.url",
+                comms.get("url"),
+                token_setting="remote_backend.comms.token_env (an environment variable) or comms.token_file",
+            ),
             api=str(comms.get("api", "auto")),
             token=token,
             connect_timeout=float(comms.get("connect_timeout_s", 10)),

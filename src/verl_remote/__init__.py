@@ -45,6 +45,11 @@ _EXPORTS = {
     "as_dict": "verl_remote.kit.config",
     "overlapped": "verl_remote.kit.config",
     "resumes_from_checkpoint": "verl_remote.runtime.checkpoints",
+    # a service's address and credentials, as the settings give them
+    "read_token": "verl_remote.kit.urls",
+    "redacted": "verl_remote.kit.urls",
+    "service_url": "verl_remote.kit.urls",
+    "token_in_clear": "verl_remote.kit.urls",
     # tensors on the wire
     "Packed": "verl_remote.kit.payload",
     "pack": "verl_remote.kit.payload",
@@ -93,12 +98,16 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "overlapped",
     "pack",
     "pack_fields",
+    "read_token",
+    "redacted",
     "resources",
     "response_index",
     "response_values",
     "resumes_from_checkpoint",
     "sample_token",
+    "service_url",
     "to_nested",
+    "token_in_clear",
     "unpack_like",
 ]
 
@@ -131,6 +140,7 @@ if TYPE_CHECKING:
     from verl_remote.kit.sampling import SampleResult, SamplingParams
     from verl_remote.kit.service import RayService, ServiceStartError, resources
     from verl_remote.kit.spec import BackendSpec, SpecError
+    from verl_remote.kit.urls import read_token, redacted, service_url, token_in_clear
     from verl_remote.runtime.checkpoints import resumes_from_checkpoint
 
 

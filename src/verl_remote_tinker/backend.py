@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 from typing import Any
 
 import httpx
@@ -26,7 +27,9 @@ from verl_remote import (
     one_line,
     overlapped,
     resources,
+    service_url,
 )
+from verl_remote_tinker.credentials import credentials_problem
 
 __all__ = ["TinkerBackend", "check_objective", "loss_reduction"]
 
@@ -269,7 +272,11 @@ def _validated(main_config: Any) -> dict[str, Any]:
     """``remote_backend`` as a dict, every setting and verl's objective checked: the one validation
     :meth:`TinkerBackend.preflight` (before Ray) and :meth:`TinkerBackend.from_config` share."""
     settings = as_dict(main_config.remote_backend)
-    _base_url(settings)
+    refused, warned = credentials_problem(_base_url(settings), settings)
+    if refused:
+        raise ValueError(refused)
+    if warned:
+        warnings.warn(warned, UserWarning, stacklevel=2)
     _lora_rank(settings)
     check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
     _reduction_setting(settings)
@@ -285,7 +292,11 @@ def _base_url(settings: dict[str, Any]) -> str:
             "remote_backend.base_url=http://127.0.0.1:8000 for a server started with "
             "'python -m verl_remote_tinker.local_server --port 8000'"
         )
-    return str(url).rstrip("/")
+    return service_url(
+        "remote_backend.base_url",
+        url,
+        token_setting="remote_backend.api_key_env (an environment variable) or api_key_file",
+    )
 
 
 def _lora_rank(settings: dict[str, Any]) -> int:

@@ -53,10 +53,11 @@ def export_step(settings: dict[str, Any], tinker_path: str, model: Any, step: in
 async def _download_adapter(settings: dict[str, Any], tinker_path: str, step: int, scratch: str) -> None:
     """The LoRA of the training state at ``tinker_path``, as the service's sampler checkpoint, into ``scratch``."""
     from verl_remote_tinker import sdk
-    from verl_remote_tinker.session import NO_KEY, retries
+    from verl_remote_tinker.credentials import api_key
+    from verl_remote_tinker.session import retries
 
     url = str(settings["base_url"]).rstrip("/")
-    key = os.environ.get(str(settings["api_key_env"])) or NO_KEY
+    key = api_key(settings)
     timeout = float(settings["timeout_s"])
     service = await asyncio.to_thread(sdk.service_client, url, key, timeout, retries(settings))
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +25,7 @@ import numpy as np
 
 from verl_remote import SamplingParams, one_line
 from verl_remote_tinker import sdk
+from verl_remote_tinker.credentials import api_key
 
 __all__ = [
     "SDK_RANGE",
@@ -44,9 +44,6 @@ UNLOAD_TIMEOUT_S = 30.0
 
 #: Seconds a sample request waits for others of the same prompt, to go to the service as one request.
 COALESCE_S = 0.01
-
-#: Sent as the API key when the key's environment variable is unset (a local server checks none).
-NO_KEY = "tml-no-key-set"
 
 
 class TinkerSession:
@@ -79,7 +76,7 @@ class TinkerSession:
 
     async def start(self) -> dict[str, Any]:
         """Connect, check the model is served, create the LoRA training client and both samplers."""
-        key = os.environ.get(str(self.settings["api_key_env"])) or NO_KEY
+        key = api_key(self.settings)
         self.pauses = sdk.PauseReporter(str(self.settings["base_url"]), float(self.settings["timeout_s"]))
         self.pauses.install()
         self.service = await self._call(

@@ -248,3 +248,49 @@ def test_the_run_summary_says_what_waiting_on_the_service_cost_each_phase() -> N
         "(medians over 3 steps)"
     )
     assert RunSummary([0.1]).waits_line() is None  # a backend that reports no waits
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("ftp://127.0.0.1:8000", "remote_backend.base_url=ftp://127.0.0.1:8000: the scheme ftp:// is not one"),
+        ("127.0.0.1:8000", "remote_backend.base_url=127.0.0.1:8000: not a URL; expected http://HOST:PORT"),
+        ("http://bob:s3cret@127.0.0.1:8000", "remote_backend.base_url=http://***@127.0.0.1:8000: a user or password"),
+    ],
+)
+def test_preflight_refuses_a_url_of_another_scheme_or_with_a_password_never_shown(url: str, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        TinkerBackend.preflight(_config(base_url=url))
+    assert str(refused.value).startswith(message)
+    assert "s3cret" not in str(refused.value) and "bob" not in str(refused.value)
+    if "***" in message:
+        assert "remote_backend.api_key_env" in str(refused.value)  # where the key goes instead
+
+
+@pytest.mark.faults
+def test_a_hosted_service_without_a_key_is_refused_a_key_file_is_read_and_a_clear_key_warned(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from verl_remote_tinker.credentials import NO_KEY, api_key, credentials_problem
+
+    hosted = "https://tinker.thinkingmachines.dev/services/tinker-prod"
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"is Thinking Machines' hosted Tinker, which needs an API key.*export "):
+        TinkerBackend.preflight(_config(base_url=hosted, api_key_env="TINKER_API_KEY"))
+    assert api_key({"api_key_env": "TINKER_API_KEY"}) == NO_KEY  # a local server takes the placeholder
+    key_file = tmp_path / "key"
+    with pytest.raises(ValueError, match=r"remote_backend.api_key_file=.*key: cannot read it \(No such file"):
+        api_key({"api_key_file": str(key_file)})
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match=r"remote_backend.api_key_file=.*key: the file is empty"):
+        api_key({"api_key_file": str(key_file)})
+    key_file.write_text("tml-from-a-file\n")
+    assert api_key({"api_key_file": str(key_file), "api_key_env": "TINKER_API_KEY"}) == "tml-from-a-file"
+    assert credentials_problem(hosted, {"api_key_file": str(key_file)}) == (None, None)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-the-environment")
+    assert api_key({"api_key_env": "TINKER_API_KEY"}) == "tml-from-the-environment"
+    refused, warned = credentials_problem("http://10.1.2.3:8000", {"api_key_env": "TINKER_API_KEY"})
+    assert refused is None and warned is not None and "plain http to a host that is not this machine" in warned
+    assert credentials_problem("http://127.0.0.1:8000", {"api_key_env": "TINKER_API_KEY"}) == (None, None)
+    assert "tml-from" not in warned

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from verl_remote.runtime.files import private_file
 from verl_remote.runtime.summary import REWARD_METRIC
 
 __all__ = [
@@ -279,7 +280,7 @@ class Console:
         """Start writing the log file (appending), with what was printed so far."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
-            self._log = path.open("a", encoding="utf-8", errors="replace")
+            self._log = private_file(path)  # 0600: it holds what the run printed, the service's answers included
             self.log_path = path
             for line in self._pending:
                 self._log.write(line + "\n")

@@ -58,6 +58,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from verl_remote.discovery.compose import compose_config
 
     config = compose_config(args.overrides, recipe=recipe_for(args.overrides, args.recipe))
+    _redact_urls(config)  # a password in a URL is not printed (a run refuses it: the token has settings of its own)
     if args.as_overrides:
         from verl_remote.demo import resolve_demo_assets
         from verl_remote.discovery.compose import verl_overrides
@@ -70,6 +71,18 @@ def _cmd_config(args: argparse.Namespace) -> int:
         return 0
     print(OmegaConf.to_yaml(config, resolve=args.resolve), end="")
     return 0
+
+
+def _redact_urls(config: Any) -> None:
+    """Every URL in the config with its user and password shown as ``***`` (in place)."""
+    from omegaconf import OmegaConf
+
+    from verl_remote.cli.preflight import leaves
+    from verl_remote.kit.urls import redacted
+
+    for key, value in list(leaves(config)):
+        if isinstance(value, str) and "://" in value and "@" in value:
+            OmegaConf.update(config, key, redacted(value), merge=False)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ exits 2. What is checked:
 - the checkpoint folder is writable; the checkpoint a resume would load exists;
 - a backend that needs one forwarder worker is not given several;
 - the backend's own preflight (:meth:`verl_remote.RemoteBackend.preflight`):
-  its service reachable, the right protocol, credentials present.
+  its service reachable, the right protocol, credentials present; a
+  ``UserWarning`` it raises (a token over plain http) is printed as a note.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -51,13 +53,13 @@ NUMERIC_KEYS = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(node, DictConfig):
         for key, value in node.items_ex(resolve=False):
-            yield from _leaves(value, f"{prefix}{key!s}.")
+            yield from leaves(value, f"{prefix}{key!s}.")
     elif isinstance(node, ListConfig):
         for index, value in enumerate(node):
-            yield from _leaves(value, f"{prefix}{index}.")
+            yield from leaves(value, f"{prefix}{index}.")
     else:
         yield prefix.rstrip("."), node
 
@@ -68,7 +70,7 @@ def _number(value: Any) -> bool:
 
 def check_types(config: DictConfig, defaults: DictConfig) -> None:
     """A key verl computes with must hold a number: its default's type, or :data:`NUMERIC_KEYS`."""
-    typed = {key: value for key, value in _leaves(defaults) if _number(value) or isinstance(value, bool)}
+    typed = {key: value for key, value in leaves(defaults) if _number(value) or isinstance(value, bool)}
     for key in NUMERIC_KEYS:
         typed.setdefault(key, 0)
     for key, default in typed.items():
@@ -112,19 +114,23 @@ RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
     ("actor_rollout_ref.actor.clip_ratio_c", lambda v: v > 1, "a number > 1 (dual-clip PPO's lower bound)"),
     ("trainer.total_epochs", lambda v: v >= 1, "an integer >= 1"),
     ("trainer.total_training_steps", lambda v: v >= 1, "an integer >= 1, or null for total_epochs' worth"),
-    ("trainer.save_freq", lambda v: v >= -1, "-1 (never), or an integer >= 1 (every that many steps)"),
-    ("trainer.test_freq", lambda v: v >= -1, "-1 (never), or an integer >= 1 (every that many steps)"),
+    # verl reads 0 as never too (``save_freq > 0``), but the reference documents -1; 0 reads like "every step".
+    ("trainer.save_freq", lambda v: v == -1 or v >= 1, "-1 (never), or an integer >= 1 (every that many steps)"),
+    ("trainer.test_freq", lambda v: v == -1 or v >= 1, "-1 (never), or an integer >= 1 (every that many steps)"),
     ("trainer.n_gpus_per_node", lambda v: v >= 1, "an integer >= 1 (forwarder workers per node)"),
     ("trainer.nnodes", lambda v: v >= 1, "an integer >= 1"),
 )
 
 
 def check_ranges(config: DictConfig) -> None:
-    """Each number in :data:`RANGES` within its range. How the batch sizes relate is verl's own config check
-    (run before this one, :func:`verl_remote.cli.run.prepare_config`); micro-batches are the backend's, as
+    """Each number in :data:`RANGES` within its range, and an integer where the range says so (verl counts with
+    them: ``rollout.n=1.5`` would fail minutes in, in ``repeat``). How the batch sizes relate is verl's own config
+    check (run before this one, :func:`verl_remote.cli.run.prepare_config`); micro-batches are the backend's, as
     verl-remote's forwarder hands it whole mini-batches, so their sizes need not divide."""
     for key, valid, words in RANGES:
         value = OmegaConf.select(config, key, throw_on_missing=False, default=None)
+        if "integer" in words and isinstance(value, float):
+            raise PreflightError(f"{key}={value}: not an integer; expected {words}")
         if _number(value) and not (math.isfinite(value) and valid(value)):
             raise PreflightError(f"{key}={value}: out of range; expected {words}")
 
@@ -279,9 +285,12 @@ def run_preflight(
     check_layout(config, str(config.remote_backend.name), single_forwarder)
     if backend_preflight is not None:
         try:
-            backend_preflight(config)
+            with warnings.catch_warnings(record=True) as warned:  # a backend's warnings are notes of the run
+                warnings.simplefilter("always", UserWarning)
+                backend_preflight(config)
         except PreflightError:
             raise
         except ValueError as exc:
             raise PreflightError(str(exc)) from exc
+        notes += [str(w.message) for w in warned if issubclass(w.category, UserWarning)]
     return notes

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_remote.demo import resolve_demo_assets
 from verl_remote.discovery.compose import ConfigError
+from verl_remote.runtime.files import private_file
 from verl_remote.runtime.summary import RunSummary
 
 __all__ = [
@@ -95,7 +96,13 @@ def hold_run_folder(folder: str) -> Iterator[None]:
 
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK_FILE)
-    handle = open(path, "a+")  # noqa: SIM115 - held for the whole run
+    try:
+        handle = private_file(path, "a+")  # held for the whole run; 0600, never through a planted link
+    except OSError as exc:
+        raise ConfigError(
+            f"trainer.default_local_dir={folder}: cannot open the run's lock {path} ({exc.strerror}); a symbolic "
+            "link there is not followed: remove it, or give the run a folder of its own"
+        ) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -19,11 +19,15 @@ are trusted as verl trusts them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from verl_remote.runtime.files import current_umask
 
 __all__ = ["RECORD", "TRACKER", "Choice", "check", "complete_steps", "resume_target", "resumes_from_checkpoint", "seal"]
 
@@ -52,13 +56,20 @@ def _fsync(path: str) -> None:
 
 
 def _write_synced(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically, on disk before it replaces the old file."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as fp:
-        fp.write(text)
-        fp.flush()
-        os.fsync(fp.fileno())
-    os.replace(temporary, path)
+    """Replace ``path`` with ``text`` atomically, on disk before it replaces the old file. The temporary file is
+    a new one (``mkstemp``: a link planted at a fixed name is not followed), readable as the umask says."""
+    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(handle, "w") as fp:
+            fp.write(text)
+            fp.flush()
+            os.fchmod(fp.fileno(), 0o666 & ~current_umask())
+            os.fsync(fp.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
 
 
 def seal(step_folder: str) -> None:

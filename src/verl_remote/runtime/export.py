@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verl_remote.discovery.compose import ConfigError
+from verl_remote.runtime.files import current_umask
 
 if TYPE_CHECKING:
     from verl_remote.kit.backend import RemoteBackend
@@ -145,8 +146,7 @@ def run_export(plan: ExportPlan) -> Path:
     """Export as planned: the backend writes into a staging folder beside ``plan.out``, moved there when done."""
     plan.out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.export-", dir=plan.out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     staging.chmod(0o777 & ~umask)  # a folder like any other the user makes, not mkdtemp's private one
     began = time.monotonic()
     try:

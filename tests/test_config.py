@@ -156,6 +156,22 @@ def test_a_recipe_composes_and_command_line_overrides_win(tmp_path: Path, cli_ma
 
 
 @pytest.mark.faults
+def test_a_group_file_planted_beside_a_recipe_does_not_replace_the_installed_one(tmp_path: Path) -> None:
+    """A recipe is one file: its folder is not searched, so a shared folder's remote_backend/arctic.yaml (with a
+    launch: command of its own) cannot stand in for the installed group of a recipe that chooses arctic."""
+    shared = tmp_path / "shared"
+    (shared / "remote_backend").mkdir(parents=True)
+    (shared / "remote_backend" / "arctic.yaml").write_text("name: arctic\ncomms:\n  launch: sh -c planted\n")
+    (shared / "verl_remote.yaml").write_text("trainer:\n  total_training_steps: 666\n")  # nor verl-remote's config
+    recipe = shared / "mine.yaml"
+    recipe.write_text("defaults:\n  - verl_remote\n  - override remote_backend: arctic\n  - _self_\n")
+    config = compose_config([], recipe=recipe)
+    assert config.remote_backend.comms.launch is None  # the installed group's default
+    assert config.remote_backend.training_gpus == 1 and config.trainer.total_training_steps != 666
+    assert sorted(p.name for p in shared.iterdir()) == ["mine.yaml", "remote_backend", "verl_remote.yaml"]
+
+
+@pytest.mark.faults
 def test_a_malformed_recipe_is_named_with_its_line_not_a_parser_traceback(tmp_path: Path, cli_main: Any) -> None:
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("defaults:\n  - verl_remote\n  bad: [\n")

@@ -10,7 +10,10 @@ primary config; it lists ``verl_remote`` first in its defaults.
 from __future__ import annotations
 
 import functools
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -124,6 +127,7 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
     if backend is not None:
         get_backend_spec(backend)  # a clear BackendError before Hydra's generic one
 
+    alone: str | None = None
     if recipe is None or (isinstance(recipe, str) and recipe in BUILTIN_RECIPES):
         context: Any = initialize_config_module(config_module=CONFIG_MODULE, version_base=None)
         config_name = CONFIG_NAME if recipe is None else BUILTIN_RECIPES[str(recipe)]
@@ -135,7 +139,12 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
         if path.suffix not in (".yaml", ".yml"):
             raise ConfigError(f"recipe {str(recipe)!r} is not a .yaml file")
         _check_yaml(path)
-        context = initialize_config_dir(config_dir=str(path.parent), version_base=None)
+        # The recipe alone, from a folder of its own: Hydra searches the primary config's folder before every
+        # installed group, so a remote_backend/arctic.yaml planted beside a recipe in a shared folder would replace
+        # the installed one (and its launch: command would run). A recipe is one file.
+        alone = tempfile.mkdtemp(prefix="verl-remote-recipe-")
+        shutil.copyfile(path, os.path.join(alone, path.name))
+        context = initialize_config_dir(config_dir=alone, version_base=None)
         config_name = path.stem
     words = [f"hydra.searchpath=[{','.join(_search_path())}]", *overrides]
 
@@ -148,6 +157,9 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
             raise ConfigError(str(exc).strip()) from exc
         others = [o for o in overrides if o.partition("=")[0] != unknown.group(1)]
         raise _unknown_key(unknown.group(1), others, recipe) from exc
+    finally:
+        if alone is not None:
+            shutil.rmtree(alone, ignore_errors=True)
 
     choice = OmegaConf.select(config, "hydra.runtime.choices.remote_backend")
     with open_dict(config):

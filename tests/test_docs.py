@@ -194,3 +194,23 @@ def test_a_documented_key_that_does_not_exist_fails_the_check(tmp_path: Path) ->
     ]
     with pytest.raises(Exception, match=r"unknown key remote_backend.url; did you mean remote_backend.comms.url\?"):
         _compose(command)
+
+
+#: A test the docs cite: a module of tests/, with a test's name after ``::`` where the row names one.
+_CITED_TEST = re.compile(r"(?<![\w/.-])tests/[\w/]+\.py(?:::\w+)?")
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_every_test_the_docs_cite_exists(page: str) -> None:
+    """A claim names the test that shows it (CONTRIBUTING.md): a module renamed or a test merged away leaves
+    the claim without one, which this names."""
+    text = (ROOT / "docs" / page).read_text()
+    missing = []
+    for cited in sorted(set(_CITED_TEST.findall(text))):
+        module, _, name = cited.partition("::")
+        path = ROOT / module
+        if not path.is_file() or (
+            name and not re.search(rf"^(async )?def {re.escape(name)}\(", path.read_text(), re.M)
+        ):
+            missing.append(cited)
+    assert missing == [], f"docs/{page} cites tests that are not there: {missing}"

@@ -548,3 +548,49 @@ def tinker_server() -> Iterator[Any]:
 
     with start_local_server(model=str(ensure_demo_assets().model_path)) as server:
         yield server
+
+
+@dataclass
+class EndlessAnswer:
+    """An HTTP server on 127.0.0.1 whose every answer is ``status`` with a body that does not end (text, 64 KiB at a
+    time, up to :attr:`LIMIT`): what a client reads of it, it reads until it stops reading."""
+
+    url: str
+    sent: list[int]  # bytes of body sent so far, per request
+
+    LIMIT = 256 << 20
+
+
+@contextlib.contextmanager
+def endless_answer(status: int) -> Iterator[EndlessAnswer]:
+    import http.server
+
+    sent: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()  # no length: the body ends when the connection does
+            sent.append(0)
+            chunk = b"x" * 65535 + b"\n"
+            try:
+                while sent[-1] < EndlessAnswer.LIMIT:
+                    self.wfile.write(chunk)
+                    sent[-1] += len(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield EndlessAnswer(f"http://127.0.0.1:{server.server_address[1]}", sent)
+    finally:
+        server.shutdown()
+        server.server_close()

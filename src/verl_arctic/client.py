@@ -18,7 +18,15 @@ import httpx
 from verl_arctic import wire
 from verl_arctic.routes import ENCODING, GENERATIONS, Route, route
 
-__all__ = ["ArcticClient", "ArcticError", "describe_answer", "probe_generation"]
+__all__ = [
+    "ANSWER_CAP_BYTES",
+    "ArcticClient",
+    "ArcticError",
+    "aread_capped",
+    "describe_answer",
+    "probe_generation",
+    "read_capped",
+]
 
 
 class ArcticError(RuntimeError):
@@ -48,12 +56,48 @@ def describe_answer(response: httpx.Response) -> str:
     return detail if isinstance(detail, str) else str(detail)
 
 
+#: The most of an answer's body read to describe it (an error, a probe): whatever answers at a wrong URL (a proxy's
+#: page, a file server, a stream that never ends) costs at most this much memory and time.
+ANSWER_CAP_BYTES = 1 << 20
+
+
+def _described(response: httpx.Response, head: bytes) -> httpx.Response:
+    """A response to describe: ``response``'s status and content type with ``head``, the start of its body."""
+    kind = {"content-type": response.headers["content-type"]} if "content-type" in response.headers else {}
+    return httpx.Response(response.status_code, headers=kind, content=head, request=response.request)
+
+
+def read_capped(response: httpx.Response, cap: int = ANSWER_CAP_BYTES) -> httpx.Response:
+    """A streamed, unread ``response`` with at most ``cap`` bytes of its body read (see :func:`_described`)."""
+    head = bytearray()
+    for chunk in response.iter_bytes():
+        head += chunk
+        if len(head) >= cap:
+            break
+    return _described(response, bytes(head[:cap]))
+
+
+async def aread_capped(response: httpx.Response, cap: int = ANSWER_CAP_BYTES) -> httpx.Response:
+    """:func:`read_capped` for a response of an ``AsyncClient``."""
+    head = bytearray()
+    async for chunk in response.aiter_bytes():
+        head += chunk
+        if len(head) >= cap:
+            break
+    return _described(response, bytes(head[:cap]))
+
+
+def _get_capped(url: str, *, timeout: float, headers: dict[str, str] | None) -> httpx.Response:
+    with httpx.stream("GET", url, timeout=timeout, headers=headers) as response:
+        return read_capped(response)
+
+
 def probe_health(url: str, *, timeout: float = 10.0, headers: dict[str, str] | None = None) -> None:
     """The server at ``url`` answers Arctic's ``GET /health`` with ``{"status": "OK"}`` and takes the credentials;
     ``ArcticError`` naming the setting to change otherwise."""
     base = url.rstrip("/")
     try:
-        response = httpx.get(f"{base}/health", timeout=timeout, headers=headers)
+        response = _get_capped(f"{base}/health", timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         raise ArcticError(
             f"remote_backend.comms.url={base}: nothing answers there ({exc}); start Arctic's RL server at that "
@@ -86,7 +130,7 @@ def probe_generation(url: str, *, timeout: float = 10.0, headers: dict[str, str]
     """
     base = url.rstrip("/")
     try:
-        response = httpx.get(f"{base}/forward-backward", timeout=timeout, headers=headers)
+        response = _get_capped(f"{base}/forward-backward", timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         raise ArcticError(f"cannot reach the Arctic server at {base} to detect its protocol: {exc}") from exc
     if response.status_code == 405:
@@ -194,7 +238,12 @@ class ArcticClient:
         attempts = 1 + (self.retries if spec.idempotent else 0)
         for attempt in range(attempts):
             try:
-                response = self._http.request(spec.method, url, **kwargs)
+                with self._http.stream(spec.method, url, **kwargs) as streamed:
+                    if streamed.is_success:
+                        streamed.read()
+                        response = streamed
+                    else:  # an error's body, read up to a cap: only its first line is shown
+                        response = read_capped(streamed)
             except httpx.TimeoutException as exc:
                 error = ArcticError(f"Arctic call {operation} ({spec.method} {url}) timed out: {exc}")
             except httpx.HTTPError as exc:
@@ -216,7 +265,12 @@ class ArcticClient:
         spec = route(self.generation, "generate")
         url, kwargs = self._request_args(spec, job_id, self._generate_body(prompts, sampling_params), None)
         try:
-            response = await self._async_client().request(spec.method, url, **kwargs)
+            async with self._async_client().stream(spec.method, url, **kwargs) as streamed:
+                if streamed.is_success:
+                    await streamed.aread()
+                    response = streamed
+                else:
+                    response = await aread_capped(streamed)
         except httpx.HTTPError as exc:
             # Some of httpx's errors have no message (a connect timeout): name the error then.
             reason = f"{exc}" or f"{type(exc).__name__} (remote_backend.connect_timeout_s, read_timeout_s)"

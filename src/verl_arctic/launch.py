@@ -120,8 +120,9 @@ def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[by
                 f"its last lines on stderr:\n{last}"
             )
         try:
-            if httpx.get(f"{url.rstrip('/')}/health", timeout=2).status_code == 200:
-                return proc
+            with httpx.stream("GET", f"{url.rstrip('/')}/health", timeout=2) as answer:  # its body unread
+                if answer.status_code == 200:
+                    return proc
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:

@@ -89,7 +89,7 @@ def serves_skyrl(settings: dict[str, Any], timeout: float = 10.0) -> bool:
     if not settings.get("base_url"):
         return False
     try:
-        answer = httpx.get(str(settings["base_url"]).rstrip("/") + "/", timeout=timeout).json()
+        answer = json.loads(_get(str(settings["base_url"]).rstrip("/") + "/", timeout)[1])
     except (httpx.HTTPError, ValueError):
         return False
     return isinstance(answer, dict) and answer.get("name") == "Tinker API Mock"
@@ -323,18 +323,34 @@ def _healthy(settings: dict[str, Any]) -> None:
     url = _base_url(settings)
     timeout = float(settings.get("connect_timeout_s", 10))
     try:
-        response = httpx.get(f"{url}/api/v1/healthz", timeout=timeout)
+        status, _ = _get(f"{url}/api/v1/healthz", timeout)
     except httpx.HTTPError as exc:
         raise ValueError(
             f"remote_backend.base_url={url}: nothing answers there ({one_line(exc)}); start the service "
             "(python -m verl_remote_tinker.local_server --port N for a local one) or set remote_backend.base_url to "
             "where it runs"
         ) from exc
-    if response.status_code >= 400 and response.status_code not in (401, 403):
+    if status >= 400 and status not in (401, 403):
         raise ValueError(
-            f"remote_backend.base_url={url}: GET /api/v1/healthz answered HTTP {response.status_code}; is a "
+            f"remote_backend.base_url={url}: GET /api/v1/healthz answered HTTP {status}; is a "
             "Tinker-API service at that address?"
         )
+
+
+#: The most of a probe's answer read: whatever answers at a wrong URL (a file server, a stream that never ends)
+#: costs at most this much memory and time.
+ANSWER_CAP_BYTES = 1 << 20
+
+
+def _get(url: str, timeout: float) -> tuple[int, bytes]:
+    """``GET url``: the status and at most :data:`ANSWER_CAP_BYTES` of the body."""
+    with httpx.stream("GET", url, timeout=timeout) as answer:
+        head = bytearray()
+        for chunk in answer.iter_bytes():
+            head += chunk
+            if len(head) >= ANSWER_CAP_BYTES:
+                break
+        return answer.status_code, bytes(head[:ANSWER_CAP_BYTES])
 
 
 def _said(exc: BaseException) -> str:

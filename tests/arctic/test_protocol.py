@@ -383,3 +383,20 @@ def test_a_resume_destroys_only_the_jobs_the_server_shows_are_its_dead_runs(
         assert set(arctic_jobs(url)) == {str(job) for job in resumed.jobs.values()}
         asyncio.run(resumed.destroy())
         assert arctic_jobs(url) == {} and not (dead / JOBS_FILE).exists()
+
+
+@pytest.mark.faults
+def test_an_answer_that_does_not_end_is_read_up_to_a_cap_and_described() -> None:
+    """Whatever answers at a wrong URL (a file server, a proxy's stream) is read up to about 1 MiB: the probe and
+    a failed call end with the answer's first line, not after reading it all (or never)."""
+    from conftest import endless_answer
+    from verl_arctic.client import ANSWER_CAP_BYTES, ArcticClient, ArcticError, probe_health
+
+    with endless_answer(502) as answer:
+        with pytest.raises(ArcticError, match=r"GET /health answered HTTP 502 with x{200}\.\.\."):
+            probe_health(answer.url, timeout=10)
+        client = ArcticClient(answer.url, "main", retries=0)
+        with pytest.raises(ArcticError, match=r"Arctic call step \(POST .*\) failed: HTTP 502: x{200}\.\.\."):
+            client.step(1)
+        client.close()
+    assert len(answer.sent) == 2 and all(n < ANSWER_CAP_BYTES + (8 << 20) for n in answer.sent), answer.sent

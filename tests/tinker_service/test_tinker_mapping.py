@@ -294,3 +294,14 @@ def test_a_hosted_service_without_a_key_is_refused_a_key_file_is_read_and_a_clea
     assert refused is None and warned is not None and "plain http to a host that is not this machine" in warned
     assert credentials_problem("http://127.0.0.1:8000", {"api_key_env": "TINKER_API_KEY"}) == (None, None)
     assert "tml-from" not in warned
+
+
+@pytest.mark.faults
+def test_a_probe_reads_an_answer_that_does_not_end_up_to_a_cap() -> None:
+    from conftest import endless_answer
+    from verl_remote_tinker.backend import ANSWER_CAP_BYTES, serves_skyrl
+
+    with endless_answer(200) as answer:
+        TinkerBackend.preflight(_config(base_url=answer.url))  # it answers the health route: enough
+        assert serves_skyrl({"base_url": answer.url}, timeout=10) is False  # not SkyRL's JSON
+    assert len(answer.sent) == 2 and all(n < ANSWER_CAP_BYTES + (8 << 20) for n in answer.sent), answer.sent

@@ -91,6 +91,20 @@ def test_a_refused_forward_names_the_generations_route(
     assert client.call("status")["jobs"] == {}
 
 
+def test_a_sampling_parameter_vllm_does_not_know_is_refused_as_arctic_refuses_it(
+    arctic_server: tuple[str, str], model_path: str
+) -> None:
+    """Arctic builds vLLM's SamplingParams from the dict (arctic-inference server/worker.py), which refuses a
+    name it does not know: a misnamed parameter (max_new_tokens for max_tokens) is a bare 500, not ignored."""
+    url, generation = arctic_server
+    client = ArcticClient(url, generation)
+    sampling = client.initialize({"model_name": model_path, "job_type": "sampling"})
+    assert len(client.generate(sampling, ["a"], {"max_tokens": 2, "stop_token_ids": [], "seed": 1})["results"]) == 1
+    with pytest.raises(ArcticError, match=r"Arctic call generate \(POST .*\) failed: HTTP 500: Internal Server Error"):
+        client.generate(sampling, ["a"], {"max_new_tokens": 2})
+    client.destroy(sampling, "sampling")
+
+
 @pytest.mark.parametrize("generation", ["v0.1", "main"])
 def test_an_update_changes_the_weights_only_at_the_accumulation_boundary(
     generation: str, model_path: str, tmp_path: Path

@@ -44,7 +44,15 @@ import torch
 from verl_arctic.testing.batching import combine_microbatch_metrics, merge_shards, split_rows
 from verl_remote import sample_token
 
-__all__ = ["DeepSpeedRefusal", "JobModel", "TrainingSetup", "deepspeed_setup", "reference_setup"]
+__all__ = [
+    "VLLM_SAMPLING_PARAMS",
+    "DeepSpeedRefusal",
+    "JobModel",
+    "TrainingSetup",
+    "check_sampling_params",
+    "deepspeed_setup",
+    "reference_setup",
+]
 
 
 class DeepSpeedRefusal(ValueError):
@@ -152,6 +160,32 @@ def _batch_sizes(ds: dict[str, Any], world: int) -> tuple[int, int, int]:
 
 
 #: The keyword arguments of DeepSpeed's schedulers (runtime/lr_schedules.py); the test server models these two.
+#: The names vLLM's ``SamplingParams`` takes (vllm 0.31.0 ``sampling_params.py:211-380``, its public fields), which
+#: Arctic builds from ``/generate``'s ``sampling_params`` as they come (arctic-inference 0.3.0
+#: ``server/worker.py:200``, 0.2.0 ``:188``: ``SamplingParams(**sampling_params)``): another name is msgspec's
+#: ``TypeError``, which
+#: no handler of Arctic's ``/generate`` catches (arctic-platform 0.1.4 ``common/http_server.py:697-705``): a bare 500.
+VLLM_SAMPLING_PARAMS = frozenset(
+    {
+        "allowed_token_ids", "bad_words", "detokenize", "extra_args", "flat_logprobs", "frequency_penalty",
+        "ignore_eos", "include_stop_str_in_output", "logit_bias", "logprob_token_ids", "logprobs", "max_tokens",
+        "min_p", "min_tokens", "n", "output_kind", "output_text_buffer_length", "presence_penalty",
+        "prompt_logprob_start", "prompt_logprob_token_ids", "prompt_logprobs", "repetition_detection",
+        "repetition_penalty", "routed_experts_prompt_start", "seed", "skip_clone", "skip_reading_prefix_cache",
+        "skip_special_tokens", "spaces_between_special_tokens", "stop", "stop_token_ids", "stream_interval",
+        "structured_outputs", "temperature", "thinking_token_budget", "top_k", "top_p", "trace_decode_token_ids",
+        "watermarking",
+    }
+)  # fmt: skip
+
+
+def check_sampling_params(params: dict[str, Any]) -> None:
+    """What vLLM's ``SamplingParams(**params)`` refuses by name, refused alike (msgspec's words)."""
+    for name in params:
+        if name not in VLLM_SAMPLING_PARAMS:
+            raise TypeError(f"Unexpected keyword argument {name!r}")
+
+
 SCHEDULER_PARAMS = {
     "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"},
     "WarmupCosineLR": {
@@ -554,6 +588,7 @@ class JobModel:
     @torch.no_grad()
     def generate(self, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
         """One completion in arctic-inference's result shape (0.2.0 server/worker.py:182-227)."""
+        check_sampling_params(params)
         prompt_ids = self.tokenizer(prompt)["input_ids"]
         max_tokens = int(params.get("max_tokens") or 16)
         temperature = float(params.get("temperature", 1.0))

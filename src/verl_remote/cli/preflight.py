@@ -125,8 +125,9 @@ RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
 def check_ranges(config: DictConfig) -> None:
     """Each number in :data:`RANGES` within its range, and an integer where the range says so (verl counts with
     them: responses per prompt, prompts per step; a fraction there is never what was meant). How the batch sizes
-    relate is verl's own config check (run before this one, :func:`verl_remote.cli.run.prepare_config`); micro-batches are the backend's, as
-    verl-remote's forwarder hands it whole mini-batches, so their sizes need not divide."""
+    relate is verl's own config check (run before this one, :func:`verl_remote.cli.run.prepare_config`);
+    micro-batches are the backend's, as verl-remote's forwarder hands it whole mini-batches, so their sizes need
+    not divide."""
     for key, valid, words in RANGES:
         value = OmegaConf.select(config, key, throw_on_missing=False, default=None)
         if "integer" in words and isinstance(value, float):

@@ -496,9 +496,13 @@ class Conformance:
 
         probing = g.probe_settings(actor)
         probe_actor = g.with_settings(actor, probing)
+        # The probe's old log-probs as the service scores the probe's own rows: its ratio is then 1 on a service
+        # whose log-probs depend on the batch (bf16), as it is on any other.
+        own_rows, own_responses = g.probe_rows(rows, responses)
+        own = np.concatenate(_responses_of(self._log_probs(own_rows, [1] * len(own_rows)), own_rows, own_responses))
 
         def probe(gradient: list[np.ndarray]) -> np.ndarray:
-            *batch, meta = g.probe_batch(rows, responses, current, gradient, len(rows), probe_actor)
+            *batch, meta = g.probe_batch(rows, responses, current, gradient, len(rows), probe_actor, own=own)
             return update(probing, (*batch, meta))
 
         start = np.concatenate(_responses_of(current, rows, responses))

@@ -8,12 +8,12 @@ weights and optimizer), two updates are compared, each from that state (``load_c
   response tokens, so that aggregations differ);
 - **the probe**: the same gradient, computed here with verl's own loss
   (:func:`verl_remote.actor_loss_gradient`: ``g_t = dL/dl_t`` at the current log-probs ``l``), carried by the
-  one loss every backend has: the vanilla policy loss at ratio 1 (``old_log_probs = l``, inside any clip) with
-  one response token per row (so that every aggregation weighs a token alike), ``advantages = -g_t`` over
-  that weight, a KL term's reference at ``l`` (where it is flat). Its gradient with respect to the model is
-  ``sum_t g_t * dl_t``: verl's. It trains through the run's own forwarder when the run's loss is vanilla, so a
-  backend that fixes its loss when it starts is probed as configured, and through one built with
-  :data:`PROBE`'s settings otherwise.
+  one loss every backend has: the vanilla policy loss at ratio 1 (``old_log_probs``: the service's own scores of
+  the probe's rows, so inside any clip) with one response token per row (so that every aggregation weighs a token
+  alike), ``advantages = -g_t`` over that weight, a KL term's reference at ``l`` (where it is flat). Its
+  gradient with respect to the model is ``sum_t g_t * dl_t``: verl's. It trains through the run's own forwarder
+  when the run's loss is vanilla, so a backend that fixes its loss when it starts is probed as configured, and
+  through one built with :data:`PROBE`'s settings otherwise.
 
 Equal gradients make equal updates, whatever the optimizer does with them (Adam included: the saved state is
 the same), so the log-probs after the two updates agree; an update of another loss moves them elsewhere. The
@@ -157,6 +157,17 @@ def probe_settings(actor: Any) -> dict[str, Any]:
     return {} if str(actor.policy_loss.loss_mode) == "vanilla" and kl_flat else dict(PROBE)
 
 
+def probe_rows(rows: list[list[int]], responses: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """The probe's rows: one per response token, its prompt the tokens before it (the same for every loss)."""
+    out_rows, out_responses = [], []
+    for row, response in zip(rows, responses, strict=True):
+        start = len(row) - len(response)
+        for k, token in enumerate(response):
+            out_rows.append(row[: start + k + 1])
+            out_responses.append([token])
+    return out_rows, out_responses
+
+
 def probe_batch(
     rows: list[list[int]],
     responses: list[list[int]],
@@ -164,11 +175,16 @@ def probe_batch(
     gradient: list[np.ndarray],
     multiple: int,
     actor: Any,
+    own: Sequence[float] | None = None,
 ) -> tuple[list[list[int]], list[list[int]], dict[str, list[list[float]]], list[list[int]], dict[str, Any]]:
     """The probe's mini-batch for a forwarder whose actor config is ``actor``: one row per response token (its
     prompt the tokens before it), old log-prob the current one (and the reference's, under a KL term), advantage
     ``-g_t`` over the weight ``actor.loss_agg_mode`` gives each token of rows of one token; rows of no token (mask
     0) pad it to a multiple of ``multiple`` rows, as many as a service may need to split it.
+
+    ``own``: each probe row's token's log-prob as the service scores the probe's own rows (:func:`probe_rows`), for
+    the old log-probs; without it, the current ones over whole rows. The same numbers on a service in fp32; in
+    bf16 a row's log-probs depend on the batch they are scored in, and the probe's ratio is 1 only with ``own``.
 
     Returns ``(rows, responses, fields, masks, meta)``."""
     now = _responses_of(current, rows, responses)
@@ -184,15 +200,11 @@ def probe_batch(
         "seq-mean-token-mean": 1.0 / size,
         "seq-mean-token-sum-norm": 1.0 / (size * float(actor.get("loss_scale_factor") or 1)),
     }[mode]
-    out_rows, out_responses, old, advantages, masks = [], [], [], [], []
-    for row, response, scores, g in zip(rows, responses, now, gradient, strict=True):
-        start = len(row) - len(response)
-        for k, token in enumerate(response):
-            out_rows.append(row[: start + k + 1])
-            out_responses.append([token])
-            old.append([float(scores[k])])
-            advantages.append([-float(g[k]) / weight])
-            masks.append([1])
+    out_rows, out_responses = probe_rows(rows, responses)
+    scored = [float(v) for scores in now for v in scores] if own is None else [float(v) for v in own]
+    old = [[v] for v in scored]
+    advantages = [[-float(v) / weight] for g in gradient for v in g]
+    masks = [[1] for _ in out_rows]
     while len(out_rows) < size:
         out_rows.append(out_rows[0])
         out_responses.append(out_responses[0])

@@ -502,7 +502,7 @@ class Conformance:
         own = np.concatenate(_responses_of(self._log_probs(own_rows, [1] * len(own_rows)), own_rows, own_responses))
 
         def probe(gradient: list[np.ndarray]) -> np.ndarray:
-            *batch, meta = g.probe_batch(rows, responses, current, gradient, len(rows), probe_actor, own=own)
+            *batch, meta = g.probe_batch(rows, responses, own, gradient, len(rows), probe_actor)
             return update(probing, (*batch, meta))
 
         start = np.concatenate(_responses_of(current, rows, responses))

@@ -171,23 +171,21 @@ def probe_rows(rows: list[list[int]], responses: list[list[int]]) -> tuple[list[
 def probe_batch(
     rows: list[list[int]],
     responses: list[list[int]],
-    current: np.ndarray,
+    own: Sequence[float],
     gradient: list[np.ndarray],
     multiple: int,
     actor: Any,
-    own: Sequence[float] | None = None,
 ) -> tuple[list[list[int]], list[list[int]], dict[str, list[list[float]]], list[list[int]], dict[str, Any]]:
-    """The probe's mini-batch for a forwarder whose actor config is ``actor``: one row per response token (its
-    prompt the tokens before it), old log-prob the current one (and the reference's, under a KL term), advantage
-    ``-g_t`` over the weight ``actor.loss_agg_mode`` gives each token of rows of one token; rows of no token (mask
-    0) pad it to a multiple of ``multiple`` rows, as many as a service may need to split it.
+    """The probe's mini-batch for a forwarder whose actor config is ``actor``: one row per response token
+    (:func:`probe_rows`), old log-prob ``own`` (and the reference's, under a KL term), advantage ``-g_t`` over the
+    weight ``actor.loss_agg_mode`` gives each token of rows of one token; rows of no token (mask 0) pad it to a
+    multiple of ``multiple`` rows, as many as a service may need to split it.
 
-    ``own``: each probe row's token's log-prob as the service scores the probe's own rows (:func:`probe_rows`), for
-    the old log-probs; without it, the current ones over whole rows. The same numbers on a service in fp32; in
-    bf16 a row's log-probs depend on the batch they are scored in, and the probe's ratio is 1 only with ``own``.
+    ``own``: each probe row's token's log-prob as the service scores the probe's own rows, so that the ratio is 1
+    (on a service in fp32 the same as the current log-probs over whole rows; in bf16 a row's log-probs depend on
+    the batch they are scored in).
 
     Returns ``(rows, responses, fields, masks, meta)``."""
-    now = _responses_of(current, rows, responses)
     tokens = sum(len(r) for r in responses)
     size = -(-tokens // multiple) * multiple
     mode = str(actor.loss_agg_mode)
@@ -201,8 +199,7 @@ def probe_batch(
         "seq-mean-token-sum-norm": 1.0 / (size * float(actor.get("loss_scale_factor") or 1)),
     }[mode]
     out_rows, out_responses = probe_rows(rows, responses)
-    scored = [float(v) for scores in now for v in scores] if own is None else [float(v) for v in own]
-    old = [[v] for v in scored]
+    old = [[float(v)] for v in own]
     advantages = [[-float(v) / weight] for g in gradient for v in g]
     masks = [[1] for _ in out_rows]
     while len(out_rows) < size:

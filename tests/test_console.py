@@ -267,7 +267,7 @@ def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_die
 
     from verl_remote.cli import run as train
 
-    def run(config: Any, report: train.RunSummary) -> None:
+    def run(config: Any, report: train.RunSummary, **kwargs: Any) -> None:
         for step in (1, 2):
             print(RAY + STEP.replace("step:1 ", f"step:{step} "))
         print(

@@ -10,6 +10,7 @@ failed training step says which request failed where. Only idempotent calls
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ import httpx
 
 from verl_arctic import wire
 from verl_arctic.routes import ENCODING, GENERATIONS, Route, route
+from verl_remote import transient_status
 
 __all__ = [
     "ANSWER_CAP_BYTES",
@@ -30,11 +32,18 @@ __all__ = [
 
 
 class ArcticError(RuntimeError):
-    """An Arctic call failed; the message names the call, the server and the reason."""
+    """An Arctic call failed; the message names the call, the server and the reason.
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    ``transient``: whether another try may succeed (``verl-remote train`` then restarts the run from its last
+    checkpoint, and a sampling request is retried; verl_remote.kit.faults): no answer at all, an HTTP status of
+    the moment (502, 503, 504, 429, 408), or a job the server no longer has (it restarted). By default, what the
+    status says.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, transient: bool | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.transient = transient_status(status) if transient is None else transient
 
 
 def describe_answer(response: httpx.Response) -> str:
@@ -224,10 +233,15 @@ class ArcticClient:
             ) from exc
 
     def _fail(self, operation: str, spec: Route, url: str, response: httpx.Response) -> ArcticError:
+        said = describe_answer(response)
+        # A job the server does not know (``_verify_job``: 0.1.2 rl/http_server.py:100-107, 0.1.4
+        # common/http_server.py:125-132): the run created it, so the server lost it, restarting.
+        lost = response.status_code == 404 and re.fullmatch(r"Job \d+ not found", said) is not None
         return ArcticError(
-            f"Arctic call {operation} ({spec.method} {url}) failed: "
-            f"HTTP {response.status_code}: {describe_answer(response)}",
+            f"Arctic call {operation} ({spec.method} {url}) failed: HTTP {response.status_code}: {said}"
+            + ("; the server no longer has the job: it restarted" if lost else ""),
             status=response.status_code,
+            transient=True if lost else None,
         )
 
     def call(
@@ -245,10 +259,11 @@ class ArcticClient:
                     else:  # an error's body, read up to a cap: only its first line is shown
                         response = read_capped(streamed)
             except httpx.TimeoutException as exc:
-                error = ArcticError(f"Arctic call {operation} ({spec.method} {url}) timed out: {exc}")
+                error = ArcticError(f"Arctic call {operation} ({spec.method} {url}) timed out: {exc}", transient=True)
             except httpx.HTTPError as exc:
                 error = ArcticError(
-                    f"Arctic call {operation} ({spec.method} {url}) failed: cannot reach the server: {exc}"
+                    f"Arctic call {operation} ({spec.method} {url}) failed: cannot reach the server: {exc}",
+                    transient=isinstance(exc, httpx.TransportError),
                 )
             else:
                 if response.is_success:
@@ -274,7 +289,10 @@ class ArcticClient:
         except httpx.HTTPError as exc:
             # Some of httpx's errors have no message (a connect timeout): name the error then.
             reason = f"{exc}" or f"{type(exc).__name__} (remote_backend.connect_timeout_s, read_timeout_s)"
-            raise ArcticError(f"Arctic call generate ({spec.method} {url}) failed: {reason}") from exc
+            raise ArcticError(
+                f"Arctic call generate ({spec.method} {url}) failed: {reason}",
+                transient=isinstance(exc, httpx.TransportError),
+            ) from exc
         if not response.is_success:
             raise self._fail("generate", spec, url, response)
         result: dict[str, Any] = self._decode("generate", spec, url, response)

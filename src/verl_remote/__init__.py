@@ -72,6 +72,9 @@ _EXPORTS = {
     "BackendNotFoundError": "verl_remote.kit.errors",
     "DuplicateBackendError": "verl_remote.kit.errors",
     "one_line": "verl_remote.kit.errors",
+    # faults worth another try
+    "is_transient": "verl_remote.kit.faults",
+    "transient_status": "verl_remote.kit.faults",
 }
 
 __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
@@ -94,6 +97,7 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "actor_loss",
     "actor_loss_gradient",
     "as_dict",
+    "is_transient",
     "one_line",
     "overlapped",
     "pack",
@@ -108,6 +112,7 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "service_url",
     "to_nested",
     "token_in_clear",
+    "transient_status",
     "unpack_like",
 ]
 
@@ -136,6 +141,7 @@ if TYPE_CHECKING:
         DuplicateBackendError,
         one_line,
     )
+    from verl_remote.kit.faults import is_transient, transient_status
     from verl_remote.kit.payload import Packed, pack, pack_fields, to_nested, unpack_like
     from verl_remote.kit.sampling import SampleResult, SamplingParams
     from verl_remote.kit.service import RayService, ServiceStartError, resources

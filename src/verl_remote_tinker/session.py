@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from verl_remote import SamplingParams, one_line
+from verl_remote import SamplingParams, is_transient, one_line, transient_status
 from verl_remote_tinker import sdk
 from verl_remote_tinker.credentials import api_key
 
@@ -33,6 +34,7 @@ __all__ = [
     "TinkerSession",
     "WaitClock",
     "adam_params",
+    "lost_model",
     "lr_schedule",
     "version_refused",
 ]
@@ -405,7 +407,8 @@ class TinkerSession:
         except asyncio.TimeoutError:
             raise TinkerError(
                 f"Tinker call {what} ({self.settings['base_url']}): no answer within {timeout:g} s "
-                "(remote_backend.timeout_s)"
+                "(remote_backend.timeout_s)",
+                transient=True,
             ) from None
         except tinker.APIStatusError as exc:
             message = " ".join(str(exc.message).split())
@@ -414,10 +417,16 @@ class TinkerSession:
                 said = message if not isinstance(detail, str) else " ".join(detail.split())
                 raise TinkerError(version_refused(str(self.settings["base_url"]), exc.status_code, said)) from None
             raise TinkerError(
-                f"Tinker call {what} ({self.settings['base_url']}): HTTP {exc.status_code}: {message}"
+                f"Tinker call {what} ({self.settings['base_url']}): HTTP {exc.status_code}: {message}",
+                transient=lost_model(message) or transient_status(exc.status_code),
             ) from None
         except (tinker.TinkerError, ValueError, OSError) as exc:  # the SDK reports failed futures as ValueError
-            raise TinkerError(f"Tinker call {what} ({self.settings['base_url']}): {one_line(exc)}") from None
+            said = one_line(exc)
+            code = re.search(r"Error code: (\d{3})\b", said)  # a failed future: the SDK's words for its answer
+            raise TinkerError(
+                f"Tinker call {what} ({self.settings['base_url']}): {said}",
+                transient=lost_model(said) or (transient_status(int(code.group(1))) if code else is_transient(exc)),
+            ) from None
         finally:
             if phase is not None:
                 self.clock.end(phase)
@@ -468,7 +477,23 @@ class WaitClock:
 
 
 class TinkerError(RuntimeError):
-    """A request to the service failed: the call, the service's address and its answer, on one line."""
+    """A request to the service failed: the call, the service's address and its answer, on one line.
+
+    ``transient``: whether another try may succeed (``verl-remote train`` then restarts the run from its last
+    checkpoint, and a sampling request is retried; verl_remote.kit.faults): no answer within the timeout, a lost
+    connection, an HTTP status of the moment (502, 503, 504, 429, 408), or a model the service no longer has
+    (it restarted, or its stale-session cleanup unloaded it).
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+def lost_model(said: str) -> bool:
+    """Whether the service's answer says it no longer has the run's model: SkyRL's ``Model <id> not loaded``
+    (tests/tinker_service/test_tinker_server.py, a model unloaded behind the run's back), or ``not found``."""
+    return re.search(r"\bModel \S+ not (loaded|found)\b", said) is not None
 
 
 def retries(settings: dict[str, Any]) -> int:

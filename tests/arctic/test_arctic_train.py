@@ -117,7 +117,7 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
         # run's checkpoint, until the service dies; its weight sync beside the next step, as it asks.
         overlapped = [
             "trainer.v1.trainer_mode=remote_async", "remote_backend.colocate=false",
-            "trainer.v1.remote_async.background_weight_sync=true",
+            "trainer.v1.remote_async.background_weight_sync=true", "remote_restart.max=0",
         ]  # fmt: skip
         proc = start(tmp_path, *arctic, *overlapped, "trainer.total_training_steps=20")
         cleaned = "".join(read_until(proc, step_row(6)))
@@ -145,6 +145,9 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     assert last.startswith("verl-remote train: the run failed: "), last
     assert "Arctic call " in last and f"{url}/" in last and ("step 7" in last or "step" not in last), last
     assert "replay buffer" not in rest
+    # A lost connection is transient, but this run turned restarts off (restarts: the test after this one).
+    off = "verl-remote: not restarted: a transient fault; restarts are off (remote_restart.max=0)"
+    assert off in rest, rest[-3000:]
     assert failed_after < 120, failed_after
     assert left_behind(tmp_path) == {}
     staleness = metric(run_log(ckpt), "training/off_policy/trajectory_staleness/max")
@@ -187,6 +190,8 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     )
     assert failed is not None and failed.group(1) == "7", last_line(asked.stderr)  # resumed from step 6's save
     assert "set actor_rollout_ref.rollout.calculate_log_probs=false" in asked.stderr
+    # An answer without what was asked would come again: not a transient fault, no restart.
+    assert "verl-remote: restart " not in asked.stderr and "not restarted" not in asked.stderr
     assert steps(asked.stdout) == []
     assert "replay buffer" not in asked.stdout + asked.stderr
     # Each request's failure is logged by verl's agent loop: the console shows it once and counts the rest.
@@ -194,6 +199,85 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
     assert re.search(r"verl-remote: \d+ more error lines like the ones above are in .*/logs/train-", asked.stderr)
     assert jobs == {}  # destroyed on the way out
     assert not (ckpt / "arctic_jobs.json").exists()
+    assert left_behind(tmp_path) == {}
+
+
+@pytest.mark.faults
+def test_transient_faults_restart_the_run_from_its_last_checkpoint_and_a_refusal_stops_it(tmp_path: Path) -> None:
+    """A run of 6 steps through a proxy of the tests' own (verl_remote.testing.proxy) that fails its requests as a
+    load balancer and a flaky network do, and a service restart, finishes unattended:
+
+    - a 502 to one sampling request of step 1: the request is sent again, the step goes on (no restart);
+    - the connection of step 3's forward-backward cut: the run restarts from step 2's checkpoint;
+    - the service killed after step 4 and started again, empty (its jobs gone, its checkpoints on disk): the run
+      restarts from step 4's checkpoint.
+
+    Each step is trained once: the service's optimizer has made three times the steps at step 6 that it had at
+    step 2. Then a refusal (HTTP 400) stops the next run at once, with no restart.
+    """
+    from verl_remote.testing.proxy import CUT, Fault, FaultProxy
+
+    port = free_port()
+    ckpt = tmp_path / "ckpt"
+    with FaultProxy(f"http://127.0.0.1:{port}") as proxy:
+        arctic = [
+            "remote_backend=arctic", f"remote_backend.comms.url={proxy.url}", "trainer.save_freq=2",
+            "remote_restart.backoff_s=1",
+        ]  # fmt: skip
+        with arctic_process("main", tmp_path / "server.log", port=port):
+            proxy.inject(Fault("/generate", 502, body={"detail": "Bad Gateway"}))
+            proc = start(tmp_path, *arctic, "trainer.total_training_steps=6")
+            seen = read_until(proc, step_row(2))
+            proxy.inject(Fault("/forward-backward", CUT))
+            seen += read_until(proc, step_row(4))
+            server = subprocess.run(
+                ["pgrep", "-f", f"verl_arctic.testing.server --port {port}"], capture_output=True, text=True
+            )
+            for pid in server.stdout.split():
+                os.kill(int(pid), signal.SIGKILL)  # a service restarted for maintenance: gone, then back
+        with arctic_process("main", tmp_path / "server-back.log", port=port):
+            rest = finish(proc, timeout=900)
+            output = "".join(seen) + rest
+            assert proc.returncode == 0, output[-3000:]
+            assert proxy.answered("/generate") == 1 and proxy.answered("/forward-backward") == 1
+            restarts = [line for line in output.splitlines() if line.startswith("verl-remote: restart ")]
+            assert len(restarts) == 2, output[-5000:]
+            assert restarts[0].startswith(
+                "verl-remote: restart 1 of 3 in 1 s, from global_step_2: a transient fault at step 3: "
+            ), restarts
+            assert "Arctic call forward_backward (POST " in restarts[0], restarts
+            assert restarts[1].startswith(
+                "verl-remote: restart 2 of 3 in 2 s, from global_step_4: a transient fault at step 5: "
+            ), restarts
+            assert steps(output) == [1, 2, 3, 4, 5, 6]  # each shown once: the attempts' steps 3 and 5 failed
+            assert re.search(r"^verl-remote: 6 steps \(1-6\); mean reward .*; restarted 2 times$", output, re.M)
+            log = run_log(ckpt)
+            assert metric(log, "verl_remote/restarts") == [0, 0, 1, 1, 2, 2]
+            # Step 1's 502 answered one /generate, which carries a batch of the step's requests: each sent again.
+            retried = metric(log, "verl_remote/sample_retries")
+            assert retried[0] >= 1 and sum(retried[1:]) == 0, retried
+
+            # Each step trained once: what the service's optimizer counted, saved with each checkpoint.
+            def optimizer_steps(step: int) -> int:
+                import torch
+
+                [state] = (ckpt / f"global_step_{step}" / "actor" / "arctic" / f"checkpoint-{step}").glob("*/state.pt")
+                counts = {int(s["step"]) for s in torch.load(state, weights_only=True)["optimizer"]["state"].values()}
+                assert len(counts) == 1, counts
+                return counts.pop()
+
+            assert optimizer_steps(2) > 0
+            assert optimizer_steps(4) == 2 * optimizer_steps(2) and optimizer_steps(6) == 3 * optimizer_steps(2)
+
+            # A refusal is refused again: the run stops at once, in the service's words, and is not restarted.
+            # (POST only: the preflight's look at the protocol asks GET /forward-backward.)
+            refusal = {"detail": "Job 9 is not a training job"}
+            proxy.inject(Fault("/forward-backward", 400, method="POST", body=refusal))
+            refused = train(tmp_path, *arctic, "trainer.total_training_steps=7")
+            assert refused.returncode == 1, refused.stderr[-3000:]
+            assert "HTTP 400: Job 9 is not a training job" in last_line(refused.stderr), refused.stderr[-3000:]
+            assert "verl-remote: restart " not in refused.stdout + refused.stderr
+            assert arctic_jobs(f"http://127.0.0.1:{port}") == {}  # destroyed on the way out
     assert left_behind(tmp_path) == {}
 
 

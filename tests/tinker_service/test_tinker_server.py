@@ -392,24 +392,41 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
         proc = start(
             tmp_path, *_tinker(server.url), "trainer.total_training_steps=20", "trainer.resume_mode=auto",
             "remote_backend.timeout_s=30", "trainer.v1.trainer_mode=remote_async",
-            "remote_backend.snapshot_sampling=true", env=SECRET,
+            "remote_backend.snapshot_sampling=true", "trainer.save_freq=2", "remote_restart.max=1",
+            "remote_restart.backoff_s=1", env=SECRET,
         )  # fmt: skip
-        resumed = "".join(read_until(proc, step_row(3)))
+        resumed = "".join(read_until(proc, step_row(4)))
+        # The service loses the run's model behind its back (its stale-session cleanup does this, as does a
+        # restart): a transient fault, so the run restarts from step 4's checkpoint in a new model.
+        lost = _loaded(server)
+        for model in lost:
+            _unload(server, model)
+            LOST.add(model)
+        resumed += "".join(read_until(proc, step_row(5)))
     finally:
         server.stop()
     killed_at = time.monotonic()
-    assert steps(resumed) == [3]
-    # Resumed from the service's own checkpoint (weights and optimizer): the first step's old log-probs are
-    # those of the step-2 weights, so the sampler (synced on load) and the trainer agree from the start.
-    diffs = metric(run_log(tmp_path / "ckpt"), "training/rollout_probs_diff_max")
-    assert len(diffs) == 1 and diffs[0] < 1e-4
-    assert metric(run_log(tmp_path / "ckpt"), "training/off_policy/trajectory_staleness/max") == [0]
+    assert steps(resumed) == [3, 4, 5], resumed[-3000:]
+    [restart] = [line for line in resumed.splitlines() if line.startswith("verl-remote: restart ")]
+    assert restart.startswith("verl-remote: restart 1 of 1 in 1 s, from global_step_4: a transient fault at step 5: ")
+    assert "Tinker call " in restart and re.search(r"Model \S+ not loaded", restart), restart
+    # Resumed from the service's own checkpoint (weights and optimizer), by the command and by its restart: the
+    # first step's old log-probs are those of the saved weights, so the sampler (synced on load) and the trainer
+    # agree from the start.
+    log = run_log(tmp_path / "ckpt")
+    diffs = metric(log, "training/rollout_probs_diff_max")
+    assert len(diffs) >= 3 and diffs[0] < 1e-4 and diffs[2] < 1e-4, diffs  # steps 3 and 5
+    staleness = metric(log, "training/off_policy/trajectory_staleness/max")
+    assert (staleness[0], staleness[2]) == (0, 0), staleness
+    assert metric(log, "verl_remote/restarts")[:3] == [0, 0, 1]
     assert "cannot sample while it trains" not in resumed
 
-    # The next call fails within the run's timeout; the run stops, destroys its backend, leaves no process.
+    # The next call fails within the run's timeout, transient but with the run's one restart used: the run stops,
+    # destroys its backend, leaves no process.
     rest = finish(proc, timeout=600)
     failed_after = time.monotonic() - killed_at
     assert proc.returncode == 1, rest[-3000:]
+    assert "verl-remote: not restarted: a transient fault, after 1 restart (remote_restart.max=1)" in rest
     last = last_line(rest)
     assert last.startswith("verl-remote train: the run failed: "), last
     assert "Tinker call " in last and server.url in last, last

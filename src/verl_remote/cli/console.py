@@ -245,6 +245,15 @@ class Console:
         #: terminated"), "(raylet) Raylet is terminated. Termination is unexpected. ..." on the console.
         self.ray_died: tuple[str, str] | None = None
 
+    def restarting(self) -> None:
+        """The run starts again (a restart after a transient fault): its steps are shown again from where it
+        resumes, and what stopped the attempt before no longer holds."""
+        with self.lock:
+            self._steps_shown.clear()
+            self._step_times.clear()
+            self._stopping = False
+            self.ray_died = None
+
     def stopping(self) -> None:
         """The run is being stopped: from now on only verl-remote's own lines reach the console."""
         self._stopping = True

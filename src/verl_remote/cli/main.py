@@ -100,16 +100,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
+    import copy
     import time
     from pathlib import Path
 
     from verl_remote.cli.inputs import check_inputs
     from verl_remote.cli.preflight import check_numbers, run_preflight
-    from verl_remote.cli.run import Terminated, check_run_folder_free, hold_run_folder, prepare_config, run
+    from verl_remote.cli.run import (
+        Terminated,
+        check_run_folder_free,
+        hold_run_folder,
+        prepare_config,
+        run,
+        wait_before_restart,
+    )
     from verl_remote.demo import recipe_for
     from verl_remote.discovery.compat import UnsupportedVerlError
     from verl_remote.discovery.compose import ConfigError, compose_config
     from verl_remote.discovery.registry import load_backend_class
+    from verl_remote.runtime.restarts import Restarts, resumed_config
 
     recipe = recipe_for(args.overrides, args.recipe)  # the demo's settings only for the demo
     composed = compose_config(args.overrides, recipe=recipe)
@@ -138,26 +147,58 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         if not console.verbose:
             print(f"verl-remote: the full output goes to {console.log_path} (--verbose shows it here)", flush=True)
         summary = RunSummary()
-        try:
-            run(config, summary)
-        except KeyboardInterrupt:
-            _report_end(console, config, summary)
-            print("verl-remote train: interrupted", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        except Terminated:
-            _report_end(console, config, summary)
-            print("verl-remote train: terminated by SIGTERM", file=sys.stderr)
-            return EXIT_TERMINATED
-        except (ConfigError, UnsupportedVerlError):  # found once the run starts (a cluster node that cannot see a
-            raise  # path, a verl without the V1 trainer): exit 2, as before it
-        except Exception as exc:
-            if args.traceback:
-                raise
-            console.log_only("".join(traceback.format_exception(exc)))
-            _report_end(console, config, summary)
-            print(f"verl-remote: the full output of this run is in {console.log_path}", file=sys.stderr)
-            print(f"verl-remote train: the run failed: {_failure(exc, console)}", file=sys.stderr)
-            return EXIT_FAILED
+        restarts = Restarts.from_config(config)
+        began = time.time()
+        attempt_config, resumed = config, resumed_config(config, began)[1]
+        wait_s = 0.0
+        while True:
+            attempt = RunSummary()
+            try:
+                if wait_s:
+                    wait_before_restart(wait_s)
+                    console.restarting()
+                # verl's trainer changes the config it is given (the trainer mode, the rollout's hand-off): each
+                # attempt gets its own copy.
+                run(copy.deepcopy(attempt_config), attempt, restarts=restarts.count)
+            except KeyboardInterrupt:
+                summary.extend(attempt)
+                _report_end(console, config, summary)
+                print("verl-remote train: interrupted", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            except Terminated:
+                summary.extend(attempt)
+                _report_end(console, config, summary)
+                print("verl-remote train: terminated by SIGTERM", file=sys.stderr)
+                return EXIT_TERMINATED
+            except (ConfigError, UnsupportedVerlError):  # found once the run starts (a cluster node that cannot see
+                raise  # a path, a verl without the V1 trainer): exit 2, as before it
+            except Exception as exc:
+                if args.traceback:
+                    raise
+                console.log_only("".join(traceback.format_exception(exc)))
+                summary.extend(attempt)
+                step = attempt.first_step + len(attempt.rewards) if attempt.rewards else resumed + 1
+                refusal = restarts.refusal(exc, step)
+                if refusal is None:  # a transient fault: the run again, from its last checkpoint
+                    attempt_config, resumed = resumed_config(config, began)
+                    wait_s = restarts.wait_s()
+                    summary.restarts = restarts.count
+                    where = f"global_step_{resumed}" if resumed else "the start"
+                    print(
+                        f"verl-remote: restart {restarts.count} of {restarts.max} in {wait_s:g} s, from {where}: "
+                        f"a transient fault at step {step}: {_failure(exc, console)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    continue
+                _report_end(console, config, summary)
+                if refusal != "not transient":
+                    print(f"verl-remote: not restarted: {refusal}", file=sys.stderr)
+                print(f"verl-remote: the full output of this run is in {console.log_path}", file=sys.stderr)
+                print(f"verl-remote train: the run failed: {_failure(exc, console)}", file=sys.stderr)
+                return EXIT_FAILED
+            summary.extend(attempt)
+            break
     waits = summary.waits_line()
     if waits:
         print(waits, flush=True)

@@ -119,6 +119,9 @@ RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
     ("trainer.test_freq", lambda v: v == -1 or v >= 1, "-1 (never), or an integer >= 1 (every that many steps)"),
     ("trainer.n_gpus_per_node", lambda v: v >= 1, "an integer >= 1 (forwarder workers per node)"),
     ("trainer.nnodes", lambda v: v >= 1, "an integer >= 1"),
+    ("remote_restart.max", lambda v: v >= 0, "an integer >= 0 (restarts after a transient fault; 0: none)"),
+    ("remote_restart.backoff_s", lambda v: v >= 0, "a number >= 0 (seconds before the first restart)"),
+    ("remote_restart.max_backoff_s", lambda v: v >= 0, "a number >= 0 (seconds, the longest wait)"),
 )
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "hold_run_folder",
     "prepare_config",
     "run",
+    "wait_before_restart",
 ]
 
 log = logging.getLogger(__name__)
@@ -279,20 +280,37 @@ def _summary_so_far(runner: Any, report: RunSummary) -> None:
         report.take(runner.summary())
 
 
-def run(config: DictConfig, report: RunSummary) -> None:
+def run(config: DictConfig, report: RunSummary, *, restarts: int = 0) -> None:
     """Run training to the end; the backend is destroyed on every way out. ``report`` becomes the run's summary,
-    as the TaskRunner returns it, or as far as the run came when it stops or fails (while Ray still answers)."""
+    as the TaskRunner returns it, or as far as the run came when it stops or fails (while Ray still answers).
+    ``restarts``: how often the command restarted the run before (each step logs it)."""
     from verl_remote.runtime.watchdog import start_watchdog
 
     # Ends what is left of the run once this process is gone, however it goes (SIGKILL included).
     watchdog = start_watchdog()
     try:
-        _run(config, report)
+        _run(config, report, restarts)
     finally:
         os.close(watchdog)
 
 
-def _run(config: DictConfig, report: RunSummary) -> None:
+def wait_before_restart(seconds: float) -> None:
+    """Wait ``seconds`` before a restart; Ctrl-C ends the wait (KeyboardInterrupt), and SIGTERM does
+    (:class:`Terminated`), with nothing of the run left to stop."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        if _TERMINATED:
+            raise Terminated(signal.SIGTERM) from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_interrupt)
+
+
+def _run(config: DictConfig, report: RunSummary, restarts: int) -> None:
     import ray
 
     from verl_remote.discovery.compat import UnsupportedVerlError
@@ -318,6 +336,7 @@ def _run(config: DictConfig, report: RunSummary) -> None:
     thread: _RunnerThread | None = None
     try:
         runner = RemoteTaskRunner()
+        runner.restarts = restarts
         thread = _RunnerThread(runner, config)
         thread.start()
         try:

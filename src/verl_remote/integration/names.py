@@ -14,6 +14,7 @@ __all__ = [
     "ESTIMATORS_V1_CANNOT_FEED",
     "LAUNCHER",
     "MODE",
+    "RESTARTS",
     "ROLLOUT_NAME",
     "estimator_problem",
 ]
@@ -69,3 +70,7 @@ def estimator_problem(config: Any) -> str | None:
 #: ``RemoteTaskRunner``) or "verl" (verl's own launcher, ``python -m verl.trainer.main_ppo``, or ``ray job submit``
 #: of it). Set by the runner around verl's ``run``, which builds the trainer in the same thread.
 LAUNCHER: ContextVar[str] = ContextVar("verl_remote_launcher", default="verl")
+
+#: How many times ``verl-remote train`` restarted this run after a transient fault before this attempt (each step
+#: logs it as ``verl_remote/restarts``). Set by the runner like :data:`LAUNCHER`.
+RESTARTS: ContextVar[int] = ContextVar("verl_remote_restarts", default=0)

@@ -10,13 +10,17 @@ verl makes every step) and leaves one method to a backend:
 :meth:`RemoteRolloutServer.sample`. The sampling contract is enforced here, once
 for every backend: verl's parameters are parsed with verl's defaults
 (:class:`SamplingParams`), and what ``sample`` returns is cut at ``max_tokens``
-and after the first stop id, with one log-prob per token when they are asked for.
+and after the first stop id, with one log-prob per token when they are asked for. A request that fails with a
+transient fault (:func:`~verl_remote.kit.faults.is_transient`: a lost connection, a 502) is sent again, at most
+:data:`SAMPLE_ATTEMPTS` times in all: sampling changes nothing on the service, so one 502 costs a retry, not the
+step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any, ClassVar
 
 import ray
@@ -26,10 +30,25 @@ from verl_remote.discovery.registry import load_backend_class, load_rollout_clas
 from verl_remote.integration.handoff import read as read_handoff
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
+from verl_remote.kit.faults import is_transient
 from verl_remote.kit.overrides import check_overrides
 from verl_remote.kit.sampling import SampleResult, SamplingParams, within_contract
 
-__all__ = ["BackendRolloutReplica", "RemoteRolloutReplica", "RemoteRolloutServer", "SampleResult", "SamplingParams"]
+__all__ = [
+    "SAMPLE_ATTEMPTS",
+    "BackendRolloutReplica",
+    "RemoteRolloutReplica",
+    "RemoteRolloutServer",
+    "SampleResult",
+    "SamplingParams",
+]
+
+#: How often one sampling request is sent at most when it fails with a transient fault, and the wait before each
+#: further try (doubled each time): a fault that outlasts them fails the request, and the step.
+SAMPLE_ATTEMPTS = 3
+SAMPLE_RETRY_WAIT_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 class RemoteRolloutServer:
@@ -50,7 +69,8 @@ class RemoteRolloutServer:
             handoff.main_config({"model": model_config}), handle=handoff.handle
         )
         self.global_steps = 0
-        self.failures: list[str] = []
+        self.failures: list[tuple[str, bool]] = []  # each failed request's error in one line, and if transient
+        self.retried = 0
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -71,8 +91,9 @@ class RemoteRolloutServer:
             await asyncio.wait_for(self.idle.wait(), timeout_s)
         return self.inflight
 
-    async def take_failures(self) -> list[str]:
-        """The failed requests since the last call, one line each, oldest first."""
+    async def take_failures(self) -> list[tuple[str, bool]]:
+        """The failed requests since the last call, oldest first: each one's error in one line, and whether it was
+        transient (:func:`~verl_remote.kit.faults.is_transient`)."""
         failures, self.failures = self.failures, []
         return failures
 
@@ -111,11 +132,11 @@ class RemoteRolloutServer:
                 max_tokens=self.max_tokens(len(prompt_ids), sampling_params),
                 stop_token_ids=self.stop_token_ids,
             )
-            result = await self.sample_within_contract(prompt_ids, params)
+            result = await self._sample_retrying(prompt_ids, params)
         except Exception as exc:
             # verl's agent loop logs the exception and counts the prompt as failed; the trainer asks for the
             # failures after sampling and stops the step with the backend's own words (take_failures).
-            self.failures.append(one_line(exc))
+            self.failures.append((one_line(exc), is_transient(exc)))
             raise
         finally:
             self.inflight -= 1
@@ -131,6 +152,31 @@ class RemoteRolloutServer:
                 "max_global_steps": self.global_steps,
             },
         )
+
+    async def _sample_retrying(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
+        """:meth:`sample_within_contract`, sent again after a transient fault (:data:`SAMPLE_ATTEMPTS`)."""
+        for attempt in range(SAMPLE_ATTEMPTS):
+            try:
+                return await self.sample_within_contract(prompt_ids, params)
+            except Exception as exc:
+                if attempt + 1 >= SAMPLE_ATTEMPTS or not is_transient(exc):
+                    raise
+                self.retried += 1
+                wait_s = SAMPLE_RETRY_WAIT_S * 2**attempt
+                log.warning(
+                    "verl-remote: a sampling request is sent again in %g s (try %d of %d) after a transient fault: %s",
+                    wait_s,
+                    attempt + 2,
+                    SAMPLE_ATTEMPTS,
+                    one_line(exc),
+                )
+                await asyncio.sleep(wait_s)
+        raise AssertionError("unreachable")
+
+    async def take_retried(self) -> int:
+        """How many sampling requests were sent again after a transient fault since the last call."""
+        retried, self.retried = self.retried, 0
+        return retried
 
     async def sample_within_contract(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         """:meth:`sample`, cut to the contract (:func:`within_contract`): what verl receives."""

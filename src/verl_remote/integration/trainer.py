@@ -87,7 +87,15 @@ DRAIN_TIMEOUT_S = 120.0
 
 
 class RolloutError(RuntimeError):
-    """The backend's sampler failed requests of a step: the step stops with the sampler's own error."""
+    """The backend's sampler failed requests of a step: the step stops with the sampler's own error.
+
+    ``transient``: whether that first error was a fault of the moment (verl_remote.kit.faults), which the
+    sampler's own retries did not outlast: ``verl-remote train`` then restarts the run from its last checkpoint.
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class SingleForwarderError(ValueError):
@@ -123,6 +131,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         #: Whether ``verl-remote train`` launched the run (its TaskRunner), which checked the layout and the
         #: cluster's paths before Ray started and prints the summary itself; else verl's own launcher did.
         self.launched_by_cli = names.LAUNCHER.get() == "cli"
+        self.restarts = names.RESTARTS.get()
         self.backend_name = str(config.remote_backend.name)
         self.summary = RunSummary()
         self._destroy_lock = threading.Lock()
@@ -139,6 +148,11 @@ class RemotePPOTrainer(PPOTrainerSync):
                 raise SingleForwarderError(problem)
             check_cluster_paths(config)
             check_export_setting(config)
+            print(
+                "verl-remote: under verl's own launcher a transient fault (a lost connection, an HTTP 502) stops the "
+                "run; run it with `verl-remote train` to have it restart from its last checkpoint (remote_restart)",
+                flush=True,
+            )
         self.overlap = str(config.trainer.v1.trainer_mode) == ASYNC_MODE
         if self.overlap and (reason := backend_class.cannot_overlap(config)):
             print(
@@ -260,11 +274,12 @@ class RemotePPOTrainer(PPOTrainerSync):
         fault of the run: it stops here, naming the backend's error.
         """
         servers = self._rollout_servers()
-        failures = [line for lines in ray.get([s.take_failures.remote() for s in servers]) for line in lines]
+        failures = [failure for each in ray.get([s.take_failures.remote() for s in servers]) for failure in each]
         if not failures:
             return
         more = f" (and {len(failures) - 1} more failed requests)" if len(failures) > 1 else ""
-        raise RolloutError(f"sampling failed {what}: {failures[0]}{more}") from cause
+        first, transient = failures[0]
+        raise RolloutError(f"sampling failed {what}: {first}{more}", transient=transient) from cause
 
     def _stop_if_destroyed(self) -> None:
         """Refuse to go on once the backend is destroyed: the driver destroys it from the TaskRunner's second
@@ -357,6 +372,11 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _compute_metrics(self, batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         result = super()._compute_metrics(batch, metrics, *args, **kwargs)
+        # What the run met and went on from (docs/reliability.md): the command's restarts so far, and this step's
+        # sampling requests sent again after a transient fault.
+        metrics["verl_remote/restarts"] = self.restarts
+        servers = self._rollout_servers()
+        metrics["verl_remote/sample_retries"] = sum(ray.get([server.take_retried.remote() for server in servers]))
         if REWARD_METRIC in metrics:
             if not self.summary.rewards:
                 self.summary.first_step = int(self.global_steps)
@@ -431,11 +451,16 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     thread waits for ``run`` and, on Ctrl-C, calls ``destroy_backend`` while ``run`` may still be mid-step.
     """
 
+    #: How many times ``verl-remote train`` restarted the run before this attempt (set by the CLI).
+    restarts = 0
+
     def run(self, config: DictConfig) -> RunSummary:
         launched = names.LAUNCHER.set("cli")  # for the trainer verl builds in this call (this thread's context)
+        restarts = names.RESTARTS.set(self.restarts)
         try:
             super().run(config)
         finally:
+            names.RESTARTS.reset(restarts)
             names.LAUNCHER.reset(launched)
             self.destroy_backend()
         return self.summary()

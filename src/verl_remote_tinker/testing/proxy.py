@@ -29,125 +29,41 @@ body on ``/api/v1/retrieve_future`` (a paused queue; ``tinker/lib/api_future_imp
 
 from __future__ import annotations
 
-import http.client
 import json
-import threading
 import uuid
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
-from urllib.parse import urlsplit
+
+from verl_remote.testing.proxy import Fault, FaultProxy
 
 __all__ = ["Fault", "TinkerProxy"]
 
-#: Hop-by-hop headers and those the proxy recomputes.
-_DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"}
 
-
-@dataclass
-class Fault:
-    """Answer the next ``times`` requests to ``route`` (a path's end; "" matches every path) with ``status``."""
-
-    route: str
-    status: int
-    times: int = 1
-    body: dict[str, Any] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
-    answered: int = 0
-
-    def takes(self, path: str) -> bool:
-        if self.answered >= self.times or not path.split("?", 1)[0].endswith(self.route):
-            return False
-        self.answered += 1
-        return True
-
-
-class TinkerProxy:
+class TinkerProxy(FaultProxy):
     """Forwards every request to ``upstream``; adds ``sample_sequence_ids``; answers faults. A context manager."""
 
     def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.upstream = urlsplit(upstream)
-        self.faults: list[Fault] = []
-        self.lock = threading.Lock()
+        super().__init__(upstream, host=host, port=port)
         self.models: dict[str, str] = {}  # the SDK's model id -> the server's, for models created by a load
         self.api_keys: set[str] = set()  # the X-API-Key headers seen (the SDK's, tinker/lib/_auth_token_provider.py)
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def _any(self) -> None:
-                proxy._handle(self)
-
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _any
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, name="tinker-proxy", daemon=True)
-
-    def start(self) -> TinkerProxy:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
-
-    def __enter__(self) -> TinkerProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def inject(self, *faults: Fault) -> None:
-        with self.lock:
-            self.faults.extend(faults)
-
-    def _fault_for(self, path: str) -> Fault | None:
-        with self.lock:
-            return next((f for f in self.faults if f.takes(path)), None)
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
         if key := request.headers.get("X-API-Key"):
             with self.lock:
                 self.api_keys.add(key)
-        length = int(request.headers.get("Content-Length") or 0)
-        body = request.rfile.read(length) if length else b""
-        fault = self._fault_for(request.path)
-        if fault is not None:
-            self._answer(request, fault.status, json.dumps(fault.body).encode(), fault.headers)
-            return
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
-        route = request.path.split("?", 1)[0]
-        try:
-            if "protobuf" in headers.get("Content-Type", headers.get("content-type", "")):
-                body = self._swapped_in_proto(body, headers)
-            elif route.endswith("/api/v1/load_weights"):
-                body = self._created_for_load(body, headers)
-            body = self._swapped(body, to_server=True)
-            status, data, answer_headers = self._upstream(request.command, request.path, body, headers)
-        except (OSError, ValueError) as exc:
-            self._answer(request, 502, json.dumps({"detail": f"proxy: upstream: {exc}"}).encode(), {})
-            return
-        if status == 200 and route.endswith("/api/v1/asample"):
-            data = _with_sequence_ids(body, data)
-        self._answer(request, status, self._swapped(data, to_server=False), answer_headers)
+        super()._handle(request)
 
-    def _upstream(
-        self, method: str, path: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, bytes, dict[str, str]]:
-        connection = http.client.HTTPConnection(self.upstream.hostname or "127.0.0.1", self.upstream.port, timeout=600)
-        try:
-            connection.request(method, path, body=body, headers=headers)
-            answer = connection.getresponse()
-            return answer.status, answer.read(), {k: v for k, v in answer.getheaders() if k.lower() not in _DROPPED}
-        finally:
-            connection.close()
+    def request_body(self, route: str, body: bytes, headers: dict[str, str]) -> bytes:
+        if "protobuf" in headers.get("Content-Type", headers.get("content-type", "")):
+            body = self._swapped_in_proto(body, headers)
+        elif route.endswith("/api/v1/load_weights"):
+            body = self._created_for_load(body, headers)
+        return self._swapped(body, to_server=True)
+
+    def answer_body(self, route: str, request: bytes, status: int, data: bytes) -> bytes:
+        if status == 200 and route.endswith("/api/v1/asample"):
+            data = _with_sequence_ids(request, data)
+        return self._swapped(data, to_server=False)
 
     def _post(self, route: str, payload: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         status, data, _ = self._upstream("POST", route, json.dumps(payload).encode(), headers)
@@ -214,16 +130,6 @@ class TinkerProxy:
             old, new = (sdk_id, server_id) if to_server else (server_id, sdk_id)
             data = data.replace(f'"{old}"'.encode(), f'"{new}"'.encode())
         return data
-
-    def _answer(self, request: BaseHTTPRequestHandler, status: int, data: bytes, headers: dict[str, str]) -> None:
-        request.send_response(status)
-        for key, value in headers.items():
-            request.send_header(key, value)
-        if not any(k.lower() == "content-type" for k in headers):
-            request.send_header("Content-Type", "application/json")
-        request.send_header("Content-Length", str(len(data)))
-        request.end_headers()
-        request.wfile.write(data)
 
 
 def _with_sequence_ids(request_body: bytes, answer: bytes) -> bytes:

@@ -183,6 +183,11 @@ def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_
     )  # fmt: skip
     assert verl.returncode == 0, verl.stdout[-3000:] + verl.stderr[-3000:]
     assert "succeeded" in verl.stdout + verl.stderr
+    # verl's launcher does not restart after a transient fault, and says so (verl-remote train does).
+    assert (
+        "verl-remote: under verl's own launcher a transient fault (a lost connection, an HTTP 502) stops the run"
+        in (verl.stdout + verl.stderr)
+    )
     assert _steps(verl.stdout) == [3]
     assert re.search(r"verl-remote: 1 steps \(3-3\); mean reward \d\.\d{3} over the first 1", verl.stdout)
     assert faulty_calls(calls)[0] == "load_checkpoint 2"

@@ -299,6 +299,27 @@ def test_an_arctic_url_where_nothing_or_something_else_answers(
         assert message in last_line(err)
 
 
+def test_a_service_where_nothing_answers_is_refused_before_verl_is_imported(tmp_path: Path) -> None:
+    """The backend's probe_service comes first, before verl is imported (several seconds on 2 cores): a dead URL
+    is refused in about the time the config takes to compose, for verl-arctic and verl-remote-tinker alike."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    for backend in (
+        ["remote_backend=arctic", f"remote_backend.comms.url={dead}"],
+        ["remote_backend=tinker", f"remote_backend.base_url={dead}"],
+    ):
+        argv = ["train", *backend, f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
+        code = (
+            "import sys\n"
+            "from verl_remote.cli.main import main\n"
+            f"code = main({argv!r})\n"
+            "print('exit', code, 'verl imported' if 'verl' in sys.modules else 'verl not imported')\n"
+        )
+        done = python(code, timeout=120)
+        assert done.stdout.strip().splitlines()[-1] == "exit 2 verl not imported", done.stdout + done.stderr[-2000:]
+        assert "nothing answers there" in last_line(done.stderr), done.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_a_launched_arctic_service_whose_port_is_taken_is_refused(tmp_path: Path, cli_main: Any) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

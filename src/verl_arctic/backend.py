@@ -127,6 +127,17 @@ class ArcticBackend(RemoteBackend):
         return backend
 
     @classmethod
+    def probe_service(cls, main_config: Any) -> None:
+        """The server answers its health route (one that ``comms.launch`` starts is not there yet)."""
+        arctic = ArcticSettings.of(main_config)
+        if arctic.launch:
+            return
+        try:
+            probe_health(arctic.url, timeout=arctic.connect_timeout, headers=arctic.headers)
+        except ArcticError as exc:
+            raise ValueError(str(exc)) from exc
+
+    @classmethod
     def preflight(cls, main_config: Any) -> None:
         """The service reachable and Arctic's, its protocol and GPUs as configured, the job configs valid."""
         arctic = ArcticSettings.of(main_config)

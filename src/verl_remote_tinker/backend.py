@@ -124,6 +124,13 @@ class TinkerBackend(RemoteBackend):
         self.reduction = reduction
 
     @classmethod
+    def probe_service(cls, main_config: Any) -> None:
+        """The service answers its health route, with the settings checked as :meth:`preflight` does."""
+        with warnings.catch_warnings():  # preflight's to say, once
+            warnings.simplefilter("ignore", UserWarning)
+            _healthy(_validated(main_config))
+
+    @classmethod
     def preflight(cls, main_config: Any) -> None:
         """The settings honoured, the service answering its health route; nothing is created."""
         _healthy(_validated(main_config))

@@ -150,6 +150,7 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     """
     from verl_arctic.client import ArcticError
     from verl_arctic.record import JOBS_FILE
+    from verl_remote.testing.proxy import Fault, FaultProxy
 
     settings = [
         "remote_backend=arctic",
@@ -176,7 +177,14 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         arctic.restart()
 
     saves = ["trainer.save_freq=2"] if beside_a_dead_run else kl_and_a_save
-    proc = start(tmp_path, *saves, *settings, "trainer.total_training_steps=2")
+    # Through a proxy of the tests' own that answers the run's first /generate with a load balancer's 502: the
+    # requests it carried are sent again, and the step goes on (restarts: tests/arctic/test_arctic_train.py).
+    proxy = FaultProxy(arctic.url).start()
+    proxy.inject(Fault("/generate", 502, body={"detail": "Bad Gateway"}))
+    through = [
+        f"remote_backend.comms.url={proxy.url}" if s.startswith("remote_backend.comms.url=") else s for s in settings
+    ]
+    proc = start(tmp_path, *saves, *through, "trainer.total_training_steps=2")
     seen = ""
     try:
         seen = "".join(read_until(proc, step_row(1)))
@@ -195,9 +203,14 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
                 ), caplog.text[-3000:]
     finally:
         out = seen + finish(proc)
+        proxy.stop()
     assert proc.returncode == 0, out[-5000:]
     assert steps(out)[-2:] == [1, 2]
     log = run_log(tmp_path / "ckpt")
+    assert proxy.answered("/generate") == 1
+    retried = metric(log, "verl_remote/sample_retries")
+    assert retried[0] >= 1 and sum(retried[1:]) == 0, retried
+    assert "verl-remote: restart " not in out
     diffs = metric(log, "training/rollout_probs_diff_max")
     assert len(diffs) == 2 and all(d == d for d in diffs)  # the sampler's log-probs came back for every step
     assert arctic_jobs(arctic.url) == {}
@@ -205,7 +218,9 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
         # The step-2 checkpoint out as a Hugging Face folder by Arctic's own /save with export_hf, from a training
         # job the export makes, loads the step into and destroys (Arctic's server writes no tokenizer: the run's).
         out = tmp_path / "hf"
-        code, said, err = cli_main("export", str(tmp_path / "ckpt"), "--out", str(out))
+        # (The run recorded the proxy's address: the export is told the server's.)
+        direct = f"remote_backend.comms.url={arctic.url}"
+        code, said, err = cli_main("export", str(tmp_path / "ckpt"), "--out", str(out), direct)
         assert code == 0, err[-3000:]
         assert f"verl-remote: exported step 2 to {out} (" in said
         assert arctic_jobs(arctic.url) == {}
@@ -224,7 +239,8 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     assert code == 2, err[-3000:]  # refused before anything starts (cli_main fails if Ray started)
     assert f"Arctic protocol v0.1 at {arctic.url}" in last_line(err) and "has no load-checkpoint call" in last_line(err)
     assert "set trainer.resume_mode=disable to start over" in last_line(err)
-    code, _out, err = cli_main("export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
+    direct = f"remote_backend.comms.url={arctic.url}"
+    code, _out, err = cli_main("export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), direct)
     assert code == 2, err[-3000:]
     assert "the run saved step 2 on Arctic protocol v0.1, which cannot export it" in last_line(err), err[-3000:]
     assert arctic_jobs(arctic.url) == {}

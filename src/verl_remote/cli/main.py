@@ -105,7 +105,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from verl_remote.cli.inputs import check_inputs
-    from verl_remote.cli.preflight import check_numbers, run_preflight
+    from verl_remote.cli.preflight import check_numbers, probe_service, run_preflight
     from verl_remote.cli.run import (
         Terminated,
         check_run_folder_free,
@@ -130,6 +130,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     # Likewise the model, data and reward; verl's defaults are named as such in a run that is not the demo.
     mixed = check_inputs(composed, defaults if recipe is None else None)
     check_run_folder_free(str(composed.trainer.default_local_dir))  # likewise, a run in the folder
+    if backend_group is not None:  # a service that does not answer, before verl is imported (seconds)
+        probe_service(composed, load_backend_class(str(backend_group.name)).probe_service)
     config = prepare_config(composed)
     backend = load_backend_class(str(config.remote_backend.name))
     for note in mixed + run_preflight(config, backend.preflight, single_forwarder=backend.requires_single_forwarder()):

@@ -30,7 +30,16 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_remote.discovery.compose import ConfigError
 
-__all__ = ["NUMERIC_KEYS", "RANGES", "PreflightError", "check_layout", "check_numbers", "check_ranges", "run_preflight"]
+__all__ = [
+    "NUMERIC_KEYS",
+    "RANGES",
+    "PreflightError",
+    "check_layout",
+    "check_numbers",
+    "check_ranges",
+    "probe_service",
+    "run_preflight",
+]
 
 
 class PreflightError(ConfigError):
@@ -271,6 +280,17 @@ def check_layout(config: DictConfig, name: str, single_forwarder: bool) -> None:
 
     if problem := single_forwarder_problem(config, name, single_forwarder):
         raise PreflightError(problem)
+
+
+def probe_service(config: DictConfig, backend_probe: Callable[[DictConfig], None]) -> None:
+    """The backend's service answers (:meth:`verl_remote.RemoteBackend.probe_service`), asked before verl is
+    imported. Raises :class:`PreflightError`."""
+    try:
+        backend_probe(config)
+    except PreflightError:
+        raise
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
 
 
 def run_preflight(

@@ -26,7 +26,14 @@ __all__ = ["RemoteBackend"]
 _ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy", "service_waits")
 _SYNC_METHODS = ("reconnect_handle",)
 # Asked before anything exists (the preflight), so they are classmethods.
-_CLASS_METHODS = ("from_config", "preflight", "requires_single_forwarder", "cannot_overlap", "export")
+_CLASS_METHODS = (
+    "from_config",
+    "probe_service",
+    "preflight",
+    "requires_single_forwarder",
+    "cannot_overlap",
+    "export",
+)
 
 
 class RemoteBackend(abc.ABC):
@@ -77,6 +84,18 @@ class RemoteBackend(abc.ABC):
                 returned by :meth:`reconnect_handle` on the driver: attach to that
                 same backend, create nothing.
         """
+
+    @classmethod
+    def probe_service(cls, main_config: Any) -> None:
+        """Whether the service answers at the configured address, in about a second.
+
+        ``verl-remote train`` asks it first, on the config as composed (the demo's files not made yet, paths as the
+        user wrote them), before it imports verl (several seconds), so that a wrong or dead address is refused in
+        seconds. Ask the service's health route; raise ``ValueError`` naming the setting, its value and the fix
+        when nothing answers there. Create nothing. Optional: the default asks nothing, and :meth:`preflight`
+        finds it later.
+        """
+        return None
 
     @classmethod
     def preflight(cls, main_config: Any) -> None:

@@ -76,7 +76,7 @@ def build(session: nox.Session) -> None:
 def benchmarks(session: nox.Session) -> None:
     """The plugin's import cost, verl-remote's per-step overhead beside the backend's compute, how fast bad
     input is refused, and the demo's start phase by phase (about 6 minutes on 2 cores)."""
-    session.install("-c", CONSTRAINTS, ".")
+    session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS)  # the backends' refusals too
     session.run("python", "benchmarks/plugin_import.py")
     session.run("python", "benchmarks/step_overhead.py")
     session.run("python", "benchmarks/refusal.py")

@@ -35,6 +35,9 @@ CASES = [
     ("an unknown backend", ["remote_backend=arcitc"]),
     ("your data, no reward", [*OWN, "data.val_files={own}/train.parquet"]),
     ("your data, the demo's reward", [*OWN, "data.val_files={own}/train.parquet", "--recipe", "demo"]),
+    # A service where nothing answers, asked before verl is imported (RemoteBackend.probe_service).
+    ("an Arctic URL, no answer", ["remote_backend=arctic", "remote_backend.comms.url=http://127.0.0.1:{dead}"]),
+    ("a Tinker URL, no answer", ["remote_backend=tinker", "remote_backend.base_url=http://127.0.0.1:{dead}"]),
 ]
 
 
@@ -52,6 +55,15 @@ def own_inputs(folder: Path) -> None:
     pd.DataFrame([row] * 64).to_parquet(folder / "train.parquet")
 
 
+def dead_port() -> int:
+    """A port of this machine where nothing listens (free a moment ago)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def script() -> str:
     found = shutil.which("verl-remote", path=str(Path(sys.executable).parent)) or shutil.which("verl-remote")
     if found is None:
@@ -62,7 +74,11 @@ def script() -> str:
 def once(overrides: list[str], own: Path) -> tuple[float, float, int, str, list[str]]:
     """(seconds to the refusal's line, seconds from it to the exit, exit code, the line, what the run wrote)."""
     options = [overrides[i + 1] for i, word in enumerate(overrides) if word == "--recipe"]
-    words = [w.format(own=own) for i, w in enumerate(overrides) if w != "--recipe" and overrides[i - 1] != "--recipe"]
+    words = [
+        w.format(own=own, dead=dead_port())
+        for i, w in enumerate(overrides)
+        if w != "--recipe" and overrides[i - 1] != "--recipe"
+    ]
     with tempfile.TemporaryDirectory() as folder:
         start = time.monotonic()
         proc = subprocess.Popen(

@@ -192,6 +192,7 @@ class _Flaky:
         (2, ConnectionResetError(104, "reset"), 3, False),  # one 502 costs a retry, not the step
         (3, ConnectionResetError(104, "reset"), 3, True),  # a fault that outlasts the retries fails the request
         (1, ValueError("refused"), 1, True),  # a refusal is not sent again
+        (2, TimeoutError("no answer within 120 s"), 1, True),  # it took the request's whole timeout: no retry
     ],
 )
 def test_a_sampling_request_is_sent_again_after_a_transient_fault_a_bounded_number_of_times(
@@ -201,6 +202,8 @@ def test_a_sampling_request_is_sent_again_after_a_transient_fault_a_bounded_numb
     from verl_remote.integration import rollout
 
     monkeypatch.setattr(rollout, "SAMPLE_RETRY_WAIT_S", 0.01)
+    if isinstance(error, TimeoutError):  # as if the try took longer than the window
+        monkeypatch.setattr(rollout, "SAMPLE_RETRY_WINDOW_S", -1.0)
     server = rollout.RemoteRolloutServer.__new__(rollout.RemoteRolloutServer)
     server.retried = 0
     sample = _Flaky(failures, error)

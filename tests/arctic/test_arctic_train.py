@@ -253,6 +253,9 @@ def test_transient_faults_restart_the_run_from_its_last_checkpoint_and_a_refusal
             assert re.search(r"^verl-remote: 6 steps \(1-6\); mean reward .*; restarted 2 times$", output, re.M)
             log = run_log(ckpt)
             assert metric(log, "verl_remote/restarts") == [0, 0, 1, 1, 2, 2]
+            # Each attempt's sampler had the weights it resumed, as its trainer did: its log-probs are the trainer's.
+            diffs = metric(log, "training/rollout_probs_diff_max")
+            assert len(diffs) == 6 and max(diffs) < 1e-4, diffs
             # Step 1's 502 answered one /generate, which carries a batch of the step's requests: each sent again.
             retried = metric(log, "verl_remote/sample_retries")
             assert retried[0] >= 1 and sum(retried[1:]) == 0, retried

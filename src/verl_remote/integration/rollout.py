@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any, ClassVar
 
 import ray
@@ -47,6 +48,9 @@ __all__ = [
 #: further try (doubled each time): a fault that outlasts them fails the request, and the step.
 SAMPLE_ATTEMPTS = 3
 SAMPLE_RETRY_WAIT_S = 1.0
+#: No further try once this long has passed since the first: a fault that takes a request's whole timeout (a
+#: service gone silent) is the run's restart's to wait out, not each request's three times over.
+SAMPLE_RETRY_WINDOW_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -154,12 +158,15 @@ class RemoteRolloutServer:
         )
 
     async def _sample_retrying(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        """:meth:`sample_within_contract`, sent again after a transient fault (:data:`SAMPLE_ATTEMPTS`)."""
+        """:meth:`sample_within_contract`, sent again after a transient fault (:data:`SAMPLE_ATTEMPTS`, within
+        :data:`SAMPLE_RETRY_WINDOW_S`)."""
+        began = time.monotonic()
         for attempt in range(SAMPLE_ATTEMPTS):
             try:
                 return await self.sample_within_contract(prompt_ids, params)
             except Exception as exc:
-                if attempt + 1 >= SAMPLE_ATTEMPTS or not is_transient(exc):
+                late = time.monotonic() - began > SAMPLE_RETRY_WINDOW_S
+                if attempt + 1 >= SAMPLE_ATTEMPTS or late or not is_transient(exc):
                     raise
                 self.retried += 1
                 wait_s = SAMPLE_RETRY_WAIT_S * 2**attempt

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from verl_arctic.client import ArcticClient, ArcticError
+from verl_arctic.loss import ENTROPY_PER_RESPONSE
 from verl_remote import as_dict
 
 __all__ = ["create_job", "job_configs", "refusal_hint"]
@@ -73,6 +74,10 @@ def job_configs(config: Any, generation: str) -> dict[str, dict[str, Any]]:
             "number of training steps before the run starts: Arctic fixes its learning-rate schedule when the "
             "training job is created; set trainer.total_training_steps"
         )
+    if str(actor.get("loss_agg_mode") or "token-mean") == "seq-mean-token-mean" and float(
+        actor.get("entropy_coeff") or 0.0
+    ):
+        raise ValueError(ENTROPY_PER_RESPONSE)  # before the run, not at its first update (verl_arctic.loss)
     deepspeed = dict(settings["train"]["deepspeed"])
     micro = int(actor.get("ppo_micro_batch_size_per_gpu") or 1)
     gpus = max(int(settings.get("training_gpus", 1)), 1)

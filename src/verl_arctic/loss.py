@@ -19,9 +19,16 @@ Two ways through it:
   (:func:`carried_advantages`): the gradient of its policy loss is ``g``'s. The KL term is in ``g``; the
   entropy bonus, which is not a function of ``l``, stays the server's own, aggregated as verl aggregates it.
 
-verl's five aggregation modes map onto the three the servers know (:func:`aggregation`): ``token-sum`` is
-``token-mean`` over one token, ``seq-mean-token-sum-norm`` is ``seq-mean-token-sum`` over
-``global_batch_size * loss_scale_factor`` (verl's horizon when it is unset: the mini-batch's longest response).
+verl's five aggregation modes map onto the two of the servers' that weigh a token alike however rows are
+grouped (:func:`aggregation`): ``token-sum`` is ``token-mean`` over one token, ``seq-mean-token-sum-norm`` is
+``seq-mean-token-sum`` over ``global_batch_size * loss_scale_factor`` (verl's horizon when it is unset: the
+mini-batch's longest response). ``seq-mean-token-mean`` is carried (never the single pass) through
+``seq-mean-token-sum``, the 1 / n_i of each response in the carried gradient: the servers pack each
+micro-batch's rows into one sequence before the loss (0.1.4 rl/processors/pipeline.py:414, :445 and :176-181;
+0.1.2 rl/processors/pipeline.py:377, :403, :135), so their own ``seq-mean-token-mean``
+(0.1.4 integrations/verl/grpo_loss.py:183-191) divides by the micro-batch's tokens, not each response's.
+For the same reason the entropy bonus, which stays the server's, cannot be aggregated per response:
+``seq-mean-token-mean`` with an entropy bonus is refused (:func:`aggregation`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ARCTIC_LOSS", "Aggregation", "aggregation", "carried_advantages", "single_pass"]
+__all__ = ["ARCTIC_LOSS", "ENTROPY_PER_RESPONSE", "Aggregation", "aggregation", "carried_advantages", "single_pass"]
 
 #: What Arctic's ``verl_grpo`` loss computes whatever verl's config says (arctic-platform 0.1.2
 #: rl/processors/verl_grpo.py:195-198, 0.1.4 the same): clip ratios fixed, the vanilla policy loss.
@@ -44,7 +51,8 @@ def single_pass(actor: Mapping[str, Any], mini_batch: Mapping[str, Any]) -> bool
     mode = str((actor.get("policy_loss") or {}).get("loss_mode") or "vanilla")
     clips = {key: actor.get(key) for key in ARCTIC_LOSS}
     same_clips = all(value is None or float(value) == ARCTIC_LOSS[key] for key, value in clips.items())
-    return mode == "vanilla" and same_clips and "rollout_is_weights" not in set(mini_batch.keys())
+    per_response = str(actor.get("loss_agg_mode") or "token-mean") == "seq-mean-token-mean"  # packed: see above
+    return mode == "vanilla" and same_clips and not per_response and "rollout_is_weights" not in set(mini_batch.keys())
 
 
 @dataclass(frozen=True)
@@ -68,27 +76,38 @@ def aggregation(actor: Mapping[str, Any], meta: Mapping[str, Any], response_mask
         if factor is None:  # verl's horizon: the padded response width of the mini-batch it aggregates
             factor = max(int(row.numel()) for row in response_mask.unbind(0))
         return Aggregation("seq-mean-token-sum", tokens, rows * float(factor))
-    if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    if mode == "seq-mean-token-mean":
+        if float(actor.get("entropy_coeff") or 0.0) != 0.0:
+            raise ValueError(ENTROPY_PER_RESPONSE)
+        return Aggregation("seq-mean-token-sum", tokens, rows)  # carried: verl's 1 / n_i is in the gradient
+    if mode in ("token-mean", "seq-mean-token-sum"):
         return Aggregation(mode, tokens, rows)
     raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={mode}: verl has no such aggregation")
+
+
+#: Why verl's ``seq-mean-token-mean`` cannot carry an entropy bonus through Arctic's servers (module docstring).
+ENTROPY_PER_RESPONSE = (
+    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean with an entropy bonus (actor_rollout_ref.actor."
+    "entropy_coeff != 0): Arctic's servers pack each micro-batch into one sequence before their loss, so they "
+    "average the entropy over a micro-batch's tokens, not each response's as verl does; set entropy_coeff=0, or "
+    "use another loss_agg_mode (token-mean, seq-mean-token-sum)"
+)
 
 
 def carried_advantages(gradient: list[torch.Tensor], masks: list[torch.Tensor], how: Aggregation) -> list[torch.Tensor]:
     """Per row, the advantages whose ratio-1 vanilla loss under ``how`` has the gradient ``gradient``.
 
     ``gradient`` and ``masks`` are response-aligned rows (``dL/dl`` and the response mask). The server weighs
-    token ``t`` of row ``i`` by ``1 / batch_num_tokens`` (token-mean), ``1 / global_batch_size``
-    (seq-mean-token-sum) or ``1 / (global_batch_size * (n_i + 1e-8))`` (seq-mean-token-mean, ``n_i`` the row's
-    tokens), as verl's ``agg_loss`` does; a token outside the mask gets 0.
+    every token by ``1 / batch_num_tokens`` (token-mean) or ``1 / global_batch_size`` (seq-mean-token-sum),
+    however its micro-batches group the rows; a token outside the mask gets 0.
     """
-    out = []
-    for g, mask in zip(gradient, masks, strict=True):
-        mask = mask.to(torch.float64)
-        if how.mode == "token-mean":
-            scale = float(how.batch_num_tokens)
-        elif how.mode == "seq-mean-token-sum":
-            scale = how.global_batch_size
-        else:
-            scale = how.global_batch_size * (float(mask.sum()) + 1e-8)
-        out.append((-g.to(torch.float64) * scale * mask).to(torch.float32))
-    return out
+    if how.mode == "token-mean":
+        scale = float(how.batch_num_tokens)
+    elif how.mode == "seq-mean-token-sum":
+        scale = how.global_batch_size
+    else:
+        raise ValueError(f"no carried gradient through the servers' {how.mode} (see aggregation)")
+    return [
+        (-g.to(torch.float64) * scale * mask.to(torch.float64)).to(torch.float32)
+        for g, mask in zip(gradient, masks, strict=True)
+    ]

@@ -102,3 +102,12 @@ def test_the_loss_travels_with_each_update_not_in_the_jobs(generation: str) -> N
         "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
     ]
     assert _jobs(generation, *losses) == _jobs(generation)
+
+
+def test_seq_mean_token_mean_with_an_entropy_bonus_is_refused_before_the_run() -> None:
+    """Arctic's servers pack a micro-batch into one sequence, so they cannot weigh the entropy bonus per response
+    (verl_arctic.loss); the loss alone trains, carried."""
+    per_response = "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"
+    assert _jobs("main", per_response) == _jobs("main")
+    with pytest.raises(ValueError, match=r"pack each micro-batch into one sequence .* set entropy_coeff=0"):
+        _jobs("main", per_response, "actor_rollout_ref.actor.entropy_coeff=0.01")

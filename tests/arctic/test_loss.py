@@ -17,7 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss
 
-from verl_arctic.loss import ARCTIC_LOSS, aggregation, carried_advantages, single_pass
+from verl_arctic.loss import ARCTIC_LOSS, Aggregation, aggregation, carried_advantages, single_pass
 from verl_arctic.testing.engine import _agg_loss, verl_grpo
 from verl_arctic.worker import verl_grpo_request
 from verl_remote import actor_loss, actor_loss_gradient, as_dict, response_values
@@ -126,7 +126,7 @@ def test_the_carried_gradient_is_verls_for_every_policy_loss_and_aggregation(los
         assert torch.allclose(server, mine, rtol=1e-4, atol=1e-7), (row, mine, server)
 
 
-@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("agg", [agg for agg in AGGREGATIONS if agg != "seq-mean-token-mean"])
 def test_vanilla_at_arctics_clip_ratios_is_one_pass_and_its_gradient_is_verls(agg: str) -> None:
     batch, current, meta = _mini_batch(seed=7, kl=True)
     actor = _actor(f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.use_kl_loss=true")
@@ -149,7 +149,44 @@ def test_vanilla_at_arctics_clip_ratios_is_one_pass_and_its_gradient_is_verls(ag
         assert torch.allclose(server, mine, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_the_servers_own_seq_mean_token_mean_averages_a_micro_batch_so_verls_is_carried_without_it() -> None:
+    """Arctic's servers pack a micro-batch's rows into one sequence before their loss (the test server models it:
+    verl_arctic.testing.engine._packed), so their seq-mean-token-mean divides each token by the micro-batch's
+    tokens, not its response's: sent as such, vanilla's gradient is not verl's (what the gradient check found on
+    Arctic's own 0.1.4 server, docs/measurements.md). verl-arctic carries it through seq-mean-token-sum, and an
+    entropy bonus, which only the server's own aggregation could weigh, is refused."""
+    batch, current, meta = _mini_batch(seed=7, kl=False)
+    actor = _actor("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
+    assert not single_pass(actor, batch)
+    leaf = current.values().clone().requires_grad_(True)
+    loss, _ = actor_loss(torch.nested.nested_tensor_from_jagged(leaf, current.offsets()), batch, meta, actor)
+    loss.backward()
+    assert leaf.grad is not None
+    verls = list(
+        response_values(
+            torch.nested.nested_tensor_from_jagged(leaf.grad, current.offsets()), batch["response_mask"]
+        ).unbind(0)
+    )
+    # What verl-arctic sent before: the server's own seq-mean-token-mean, in one pass.
+    own = Aggregation("seq-mean-token-mean", meta["batch_num_tokens"], float(meta["global_batch_size"]))
+    wire = {k: v for k, v in actor.items() if not isinstance(v, dict | list)} | {"loss_agg_mode": own.mode}
+    theirs = _server_gradient(batch, current, verl_grpo_request(batch, PAD, {}, own, wire, batch["old_log_probs"]))
+    off = [float((server - mine).abs().max() / mine.abs().max()) for mine, server in zip(verls, theirs, strict=True)]
+    assert max(off) > 0.5, off  # each row weighed by its share of the micro-batch's tokens, not 1 / its own
+
+    how = aggregation(actor, meta, batch["response_mask"])
+    assert how.mode == "seq-mean-token-sum"
+    carried = carried_advantages(verls, list(batch["response_mask"].unbind(0)), how)
+    wire |= {"loss_agg_mode": how.mode, "use_kl_loss": False, **ARCTIC_LOSS}
+    body = verl_grpo_request(batch, PAD, {}, how, wire, response_values(current, batch["response_mask"]), carried)
+    for mine, server in zip(verls, _server_gradient(batch, current, body), strict=True):
+        assert torch.allclose(server, mine, rtol=1e-4, atol=1e-7)
+
+    with pytest.raises(ValueError, match="pack each micro-batch into one sequence"):
+        aggregation({**actor, "entropy_coeff": 0.01}, meta, batch["response_mask"])
+
+
+@pytest.mark.parametrize("agg", [agg for agg in AGGREGATIONS if agg != "seq-mean-token-mean"])
 def test_the_servers_aggregation_is_verls_for_the_entropy_bonus(agg: str) -> None:
     batch, _, meta = _mini_batch(seed=3, kl=False)
     mask = torch.nested.to_padded_tensor(batch["response_mask"], 0)

@@ -28,7 +28,9 @@ the newest release Arctic's ``deepspeed>=0.19.2`` admits):
 What it is not: DeepSpeed, vLLM, bf16 numerics (the model trains in float32, as
 a GPU server with the flash-attention loss returns float32 log-probs), ZoRRO,
 the load balancer's reordering (invisible to a client: Arctic restores the
-order of forward outputs, and a loss summed over ranks does not depend on it).
+order of forward outputs, and a loss summed over ranks does not depend on it;
+which rows share a micro-batch does matter to a per-response aggregation of
+the packed rows, seq-mean-token-mean, which verl-arctic therefore never sends).
 """
 
 from __future__ import annotations
@@ -332,8 +334,18 @@ def _dense_log_probs(
     return dense, dense_entropy
 
 
+def _packed(values: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's rows as Arctic's pipeline hands them to the loss: packed into one sequence of the tokens
+    the attention mask keeps, ``[1, nnz]`` (``pack_with_unpad``: 0.1.4 rl/processors/pipeline.py:414 and :445,
+    ``padded_tensor_2d_dict_to_unpadded_tensor_1d_dict`` :176-181; 0.1.2 rl/processors/pipeline.py:377, :403,
+    :135). So the loss sees one "sequence" per micro-batch: a per-sequence aggregation counts the micro-batch's
+    tokens, not each response's."""
+    return values[attention].unsqueeze(0)
+
+
 def _agg_loss(values: torch.Tensor, mask: torch.Tensor, mode: str, info: dict[str, Any]) -> torch.Tensor:
-    """``agg_loss`` of Arctic's verl_grpo (rl/processors/verl_grpo.py:98-160): verl's, with the global batch info."""
+    """``agg_loss`` of Arctic's verl_grpo (0.1.2 rl/processors/verl_grpo.py:98-160, 0.1.4
+    integrations/verl/grpo_loss.py:134-195): verl's, with the global batch info, on :func:`_packed` rows."""
     dp = int(info.get("dp_size") or 1)
     masked = torch.where(mask, values, torch.zeros_like(values))
     if mode == "token-mean":
@@ -413,7 +425,9 @@ def verl_grpo(
     weights = meta.get("rollout_is_weights")
     if weights is not None:
         per_token = per_token * weights
-    loss = _agg_loss(per_token, mask, mode, info)
+    attention = batch["attention_mask"].bool()
+    packed_mask = _packed(mask, attention)
+    loss = _agg_loss(_packed(per_token, attention), packed_mask, mode, info)
     maskf = mask.float()
     tokens = float(maskf.sum())
     metrics: dict[str, Any] = {
@@ -429,7 +443,7 @@ def verl_grpo(
     loss_sum = metrics["actor/pg_loss.sum"]
     if entropy is not None:
         coefficient = float(actor.get("entropy_coeff", 0.0))
-        loss = loss - coefficient * _agg_loss(entropy, mask, mode, info)
+        loss = loss - coefficient * _agg_loss(_packed(entropy, attention), packed_mask, mode, info)
         entropy_sum = _total(entropy * maskf)
         metrics["actor/entropy_loss.sum"] = entropy_sum
         metrics["actor/entropy_loss.tokens"] = tokens
@@ -437,7 +451,7 @@ def verl_grpo(
     if actor.get("use_kl_loss", False):
         kld = _kl(shifted, batch["ref_log_prob"].float(), str(actor.get("kl_loss_type", "low_var_kl")))
         coefficient = float(actor.get("kl_loss_coef", 0.001))
-        loss = loss + coefficient * _agg_loss(kld, mask, mode, info)
+        loss = loss + coefficient * _agg_loss(_packed(kld, attention), packed_mask, mode, info)
         kl_sum = _total(kld * maskf)
         metrics["kl_loss.sum"] = kl_sum
         metrics["kl_loss.tokens"] = tokens

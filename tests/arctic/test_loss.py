@@ -75,6 +75,18 @@ def _actor(*overrides: str) -> dict[str, Any]:
     return as_dict(actor)
 
 
+def _verls_gradient(
+    batch: dict[str, Any], current: torch.Tensor, meta: dict[str, Any], actor: dict[str, Any]
+) -> list[torch.Tensor]:
+    """d(verl's actor loss)/d(log-probs) of the response tokens, row by row, by autograd through actor_loss."""
+    leaf = current.values().clone().requires_grad_(True)
+    loss, _ = actor_loss(torch.nested.nested_tensor_from_jagged(leaf, current.offsets()), batch, meta, actor)
+    loss.backward()
+    assert leaf.grad is not None
+    grad = torch.nested.nested_tensor_from_jagged(leaf.grad, current.offsets())
+    return list(response_values(grad, batch["response_mask"]).unbind(0))
+
+
 def _server_gradient(batch: dict[str, Any], current: torch.Tensor, body: dict[str, Any]) -> list[torch.Tensor]:
     """d(verl_grpo's loss)/d(log-probs) of the response tokens, row by row, the server's log-probs being
     ``current`` laid out as it lays them out (dense, left-padded prompts, roll(-1))."""
@@ -131,15 +143,7 @@ def test_vanilla_at_arctics_clip_ratios_is_one_pass_and_its_gradient_is_verls(ag
     batch, current, meta = _mini_batch(seed=7, kl=True)
     actor = _actor(f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.use_kl_loss=true")
     assert single_pass(actor, batch)
-    leaf = current.values().clone().requires_grad_(True)
-    loss, _ = actor_loss(torch.nested.nested_tensor_from_jagged(leaf, current.offsets()), batch, meta, actor)
-    loss.backward()
-    assert leaf.grad is not None
-    verls = list(
-        response_values(
-            torch.nested.nested_tensor_from_jagged(leaf.grad, current.offsets()), batch["response_mask"]
-        ).unbind(0)
-    )
+    verls = _verls_gradient(batch, current, meta, actor)
 
     how = aggregation(actor, meta, batch["response_mask"])
     wire = {k: v for k, v in actor.items() if not isinstance(v, dict | list)} | {"loss_agg_mode": how.mode}
@@ -158,15 +162,7 @@ def test_the_servers_own_seq_mean_token_mean_averages_a_micro_batch_so_verls_is_
     batch, current, meta = _mini_batch(seed=7, kl=False)
     actor = _actor("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
     assert not single_pass(actor, batch)
-    leaf = current.values().clone().requires_grad_(True)
-    loss, _ = actor_loss(torch.nested.nested_tensor_from_jagged(leaf, current.offsets()), batch, meta, actor)
-    loss.backward()
-    assert leaf.grad is not None
-    verls = list(
-        response_values(
-            torch.nested.nested_tensor_from_jagged(leaf.grad, current.offsets()), batch["response_mask"]
-        ).unbind(0)
-    )
+    verls = _verls_gradient(batch, current, meta, actor)
     # What verl-arctic sent before: the server's own seq-mean-token-mean, in one pass.
     own = Aggregation("seq-mean-token-mean", meta["batch_num_tokens"], float(meta["global_batch_size"]))
     wire = {k: v for k, v in actor.items() if not isinstance(v, dict | list)} | {"loss_agg_mode": own.mode}

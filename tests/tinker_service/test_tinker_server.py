@@ -410,14 +410,15 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     [restart] = [line for line in resumed.splitlines() if line.startswith("verl-remote: restart ")]
     assert restart.startswith("verl-remote: restart 1 of 1 in 1 s, from global_step_4: a transient fault at step 5: ")
     assert "Tinker call " in restart and re.search(r"Model \S+ not loaded", restart), restart
-    # Resumed from the service's own checkpoint (weights and optimizer), by the command and by its restart: the
-    # first step's old log-probs are those of the saved weights, so the sampler (synced on load) and the trainer
-    # agree from the start.
+    # Resumed from the service's own checkpoint (weights and optimizer): the first step's old log-probs are those
+    # of the step-2 weights, so the sampler (synced on load) and the trainer agree from the start. The restart
+    # resumes step 4's checkpoint of this overlapped run, with the prompts it had in flight then (verl's
+    # TransferQueue state), sampled on step 3's weights or step 4's: at most one update old, as any step.
     log = run_log(tmp_path / "ckpt")
     diffs = metric(log, "training/rollout_probs_diff_max")
-    assert len(diffs) >= 3 and diffs[0] < 1e-4 and diffs[2] < 1e-4, diffs  # steps 3 and 5
+    assert len(diffs) >= 3 and diffs[0] < 1e-4, diffs
     staleness = metric(log, "training/off_policy/trajectory_staleness/max")
-    assert (staleness[0], staleness[2]) == (0, 0), staleness
+    assert staleness[0] == 0 and max(staleness) <= 1, staleness
     assert metric(log, "verl_remote/restarts")[:3] == [0, 0, 1]
     assert "cannot sample while it trains" not in resumed
 

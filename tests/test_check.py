@@ -120,24 +120,33 @@ def _outcomes(report: str, test: str) -> dict[str, int]:
     return found
 
 
+CLIP = ("ignores_clip", "vanilla", "it does not clip the ratio")
+PER_SEQUENCE = ("per_sequence", "vanilla", "it aggregates as loss_agg_mode=seq-mean-token-mean does")
+VANILLA = ("vanilla_always", "gspo", "it trains verl's vanilla loss whatever loss_mode says")
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize(
-    ("defect", "mode", "mistake"),
+    ("precision", "defect", "mode", "mistake", "probed"),
     [
-        ("ignores_clip", "vanilla", "it does not clip the ratio"),
-        ("per_sequence", "vanilla", "it aggregates as loss_agg_mode=seq-mean-token-mean does"),
-        ("vanilla_always", "gspo", "it trains verl's vanilla loss whatever loss_mode says"),
+        ("fp32", *CLIP, "by the norm; 5% allowed for fp32"),
+        ("fp32", *PER_SEQUENCE, "by the norm; 5% allowed for fp32"),
+        # bf16: the probe on the update's own rows, summed over tokens.
+        ("bf16", *CLIP, "by the norm, the probe on the update's own rows; 5% allowed for bf16"),
+        ("bf16", *VANILLA, "by the norm, the probe on the update's own rows; 5% allowed for bf16"),
+        ("bf16", *PER_SEQUENCE, "by the norm, the probe on the update's own rows; 5% allowed for bf16"),
     ],
 )
 def test_the_gradient_check_names_the_loss_and_the_mistake_of_a_backend_that_trains_another(
-    ray_cluster: Any, defect: str, mode: str, mistake: str
+    ray_cluster: Any, precision: str, defect: str, mode: str, mistake: str, probed: str
 ) -> None:
-    """Only what the gradient check needs runs before it (the config, the backend, its forwarder and sampler)."""
+    """Only what the gradient check needs runs before it (the config, the backend, its forwarder and sampler).
+    With bf16's probe (on the update's own rows) too, each mistake is named."""
     from verl_remote.testing import Conformance
     from verl_remote.testing.checks import CheckFailed
 
     loss = f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"
-    conformance = Conformance("faulty", (f"remote_backend.defect={defect}", loss))
+    conformance = Conformance("faulty", (f"remote_backend.defect={defect}", loss), precision=precision)
     try:
         for needed in ("check_spec", "check_from_config", "check_worker_reattaches", "check_sampler_reattaches"):
             getattr(conformance, needed)()
@@ -149,8 +158,12 @@ def test_the_gradient_check_names_the_loss_and_the_mistake_of_a_backend_that_tra
     # The configured loss, named (the checks' config has a KL term), how far off, and which mistake.
     label = f"loss_mode={mode}, loss_agg_mode=token-mean, kl_loss_type=low_var_kl"
     said = str(failed.value)
-    assert said.startswith(f"{label}: the update is not verl's: the log-probs after it differ from those after "), said
-    assert said.endswith(f"; {mistake}"), said
+    off = re.fullmatch(
+        rf"{re.escape(label)}: the update is not verl's: the log-probs after it are (\d+)% of verl's update away "
+        rf"from those after verl's gradient \({re.escape(probed)}\); {re.escape(mistake)}",
+        said,
+    )
+    assert off is not None, said
     assert "actor_loss_gradient" in failed.value.hint
 
 

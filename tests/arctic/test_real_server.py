@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,40 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
     code, _out, err = cli_main("export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), direct)
     assert code == 2, err[-3000:]
     assert "the run saved step 2 on Arctic protocol v0.1, which cannot export it" in last_line(err), err[-3000:]
+    assert arctic_jobs(arctic.url) == {}
+
+
+@pytest.mark.train
+@pytest.mark.parametrize("arctic", ["main"], indirect=True)  # v0.1 has no checkpoint load, which the check needs
+def test_the_gradient_check_proves_every_loss_verl_has_on_arctics_own_bf16_server(
+    arctic: Arctic, ray_instance: Any
+) -> None:
+    """verl-arctic on Arctic's own 0.1.4 server, which trains in bf16: each of verl's policy losses, aggregations
+    and its KL loss, carried as verl_arctic.loss carries it, makes the update verl's gradient makes, within 5 % of
+    its move: the probe trains on the update's own rows (verl_remote.testing.gradient.own_rows_batch). Only the
+    checks the gradient check builds on run before it (the others compare log-probs across engines of different
+    arithmetic: docs/measurements.md)."""
+    from verl_remote.testing import Conformance
+    from verl_remote.testing.gradient import every_loss
+
+    overrides = (
+        f"remote_backend.comms.url={arctic.url}",
+        f"remote_backend.training_gpus={TRAINING_RANKS}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    )
+    conformance = Conformance("arctic", overrides, losses=every_loss(), precision="bf16")
+    try:
+        for needed in ("spec", "from_config", "worker_reattaches", "sampler_reattaches", "training_step"):
+            getattr(conformance, f"check_{needed}")()  # (a save before any step is one Arctic cannot load)
+        said = conformance.check_gradient()
+    finally:
+        conformance.close()
+    shares = re.fullmatch(
+        rf"{len(every_loss())} losses: verl's update within (\S+)% of its move \(by the norm, the probe on the "
+        r"update's own rows; 5% allowed for bf16\), the farthest .*",
+        said,
+    )
+    assert shares is not None, said
     assert arctic_jobs(arctic.url) == {}
 
 

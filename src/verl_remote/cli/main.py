@@ -318,7 +318,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     watchdog = start_watchdog()  # nothing of the checks outlives this process, however it ends
     try:
         results = check_backend(
-            args.name, args.overrides, on_result=lambda r: print(r.line(), flush=True), losses=_losses(args.losses)
+            args.name,
+            args.overrides,
+            on_result=lambda r: print(r.line(), flush=True),
+            losses=_losses(args.losses),
+            precision=args.precision,
         )
     finally:
         os.close(watchdog)
@@ -453,6 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the losses the gradient check compares with verl's: 'all' (every policy loss verl has, every "
         "aggregation, the KL loss) or names, comma-separated (gspo,cispo,seq-mean-token-mean); by default the "
         "configured loss (actor_rollout_ref.actor.policy_loss.loss_mode, ...)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="what the service computes in; bf16 allows the log-probs and the gradient check bf16's rounding "
+        "(verl_remote.testing.checks.PRECISIONS; default fp32)",
     )
     p.set_defaults(func=_cmd_check)
     return parser

@@ -33,12 +33,14 @@ def check_backend(
     atol: float | None = None,
     expected_failures: Collection[str] = (),
     losses: Sequence[Mapping[str, Any]] | str | None = None,
+    precision: str = "fp32",
 ) -> list[CheckResult]:
     """Run every check against backend ``name`` (config ``remote_backend=name`` plus ``overrides``). A check
     named in ``expected_failures`` that fails does not stop the checks after it. ``losses`` are the losses the
     gradient check compares, each as settings of ``actor_rollout_ref.actor`` (dotted keys) on top of the
     config's, or ``"all"``: every policy loss verl has, every aggregation, the KL loss; by default the
-    configured loss.
+    configured loss. ``precision``: the one the service computes in, ``"fp32"`` or ``"bf16"``: what the checks
+    allow it (:data:`verl_remote.testing.checks.PRECISIONS`; ``atol`` overrides its log-prob tolerance).
 
     Starts a Ray instance of its own (8 logical CPUs, like a run) unless Ray is running in this process, and
     stops it after; the backend is destroyed however the checks end.
@@ -47,19 +49,17 @@ def check_backend(
 
     from verl_remote.discovery.compat import quiet_local_ray_auth
 
-    started = not ray.is_initialized()
-    if started:
-        quiet_local_ray_auth()
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     if losses == "all":
         from verl_remote.testing.gradient import every_loss
 
         losses = every_loss()
     elif isinstance(losses, str):
         raise ValueError(f"losses={losses!r}: give 'all' or a list of settings")
-    conformance = Conformance(
-        name, tuple(overrides), **({"atol": atol} if atol is not None else {}), losses=losses or ({},)
-    )
+    conformance = Conformance(name, tuple(overrides), atol=atol, losses=losses or ({},), precision=precision)
+    started = not ray.is_initialized()
+    if started:
+        quiet_local_ray_auth()
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         return conformance.run(on_result, expected_failures=frozenset(expected_failures))
     finally:

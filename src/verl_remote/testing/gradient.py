@@ -15,6 +15,10 @@ weights and optimizer), two updates are compared, each from that state (``load_c
   when the run's loss is vanilla, so a backend that fixes its loss when it starts is probed as configured, and
   through one built with :data:`PROBE`'s settings otherwise.
 
+On a service that computes in bf16 a row's log-probs depend on the batch it is computed in, and the probe's rows
+of one token land off the backend's update by that rounding alone; there (``precision="bf16"``) the probe trains
+on the update's own rows instead, summed over tokens (:func:`own_rows_batch`).
+
 Equal gradients make equal updates, whatever the optimizer does with them (Adam included: the saved state is
 the same), so the log-probs after the two updates agree; an update of another loss moves them elsewhere. The
 check names the loss, how far apart the two updates landed against how far they moved, and, when the backend's
@@ -34,9 +38,10 @@ import numpy as np
 from verl_remote.testing.rows import responses_of as _responses_of
 from verl_remote.testing.rows import split as _split
 
-__all__ = ["GRADIENT_RTOL", "PROBE", "LossUnderTest", "every_loss", "loss_label"]
+__all__ = ["GRADIENT_RTOL", "PROBE", "LossUnderTest", "apart", "every_loss", "loss_label"]
 
-#: How far apart the two updates may land, as a share of how far the probe moved the log-probs.
+#: How far apart the two updates may land on a service that computes in fp32: the norm of the difference of the
+#: log-probs after them, as a share of the norm of the probe's move (``Conformance(precision="fp32")``).
 GRADIENT_RTOL = 0.05
 
 #: The probe's loss settings: verl's vanilla policy loss per token, nothing else (the ratio is 1, inside any clip).
@@ -125,11 +130,24 @@ class LossUnderTest:
 
     def gradient(self, actor: Any | None = None) -> list[np.ndarray]:
         """``dL/dl`` of verl's loss (this one's, or ``actor``'s) on :meth:`mini_batch`, per response token."""
+        fields, meta = self.mini_batch()
+        return self._verl_gradient(fields, meta, self.actor if actor is None else actor)
+
+    def weights(self, actor: Any) -> list[np.ndarray]:
+        """Each response token's weight in verl's aggregation (``actor.loss_agg_mode``) over these rows: the
+        gradient of verl's vanilla loss at ratio 1 with every advantage -1, without a KL term."""
+        now = _responses_of(self.current, self.rows, self.responses)
+        fields = {"old_log_probs": [list(r) for r in now], "advantages": [[-1.0] * len(r) for r in now]}
+        plain = with_settings(actor, {"policy_loss.loss_mode": "vanilla", "use_kl_loss": False, "entropy_coeff": 0.0})
+        return self._verl_gradient(fields, self.mini_batch()[1], plain)
+
+    def _verl_gradient(
+        self, fields: dict[str, list[list[float]]], meta: dict[str, Any], actor: Any
+    ) -> list[np.ndarray]:
         import torch
 
         from verl_remote.kit.compute import actor_loss_gradient
 
-        fields, meta = self.mini_batch()
         prompts = [row[: len(row) - len(r)] for row, r in zip(self.rows, self.responses, strict=True)]
         batch = {
             "input_ids": _nested(self.rows, torch.long),
@@ -140,7 +158,7 @@ class LossUnderTest:
         }
         lengths = [len(r) for r in self.rows]
         current = _nested([list(v) for v in _split(self.current, lengths)], torch.float32)
-        gradient, _ = actor_loss_gradient(current, batch, meta, self.actor if actor is None else actor)
+        gradient, _ = actor_loss_gradient(current, batch, meta, actor)
         return _responses_of(gradient.values().double().numpy(), self.rows, self.responses)
 
 
@@ -214,11 +232,54 @@ def probe_batch(
     return out_rows, out_responses, fields, masks, verl_meta(tokens, size)
 
 
+def apart(landed: np.ndarray, expected: np.ndarray, start: np.ndarray) -> tuple[float, float]:
+    """How far apart two updates from ``start`` landed (the norm of the difference of the log-probs after them)
+    and how far the second moved them (the norm of its move).
+
+    The norm, not the largest difference: in bf16 a log-prob near -8 moves in steps of 1/16, and the one token
+    that rounds the other way sets the largest difference, while the norm weighs every token (measured on
+    Arctic's own 0.1.4 server: docs/measurements.md, "Every loss on every backend")."""
+    return float(np.linalg.norm(landed - expected)), float(np.linalg.norm(expected - start))
+
+
+def own_rows_batch(
+    under_test: LossUnderTest, gradient: list[np.ndarray], actor: Any
+) -> tuple[list[list[int]], list[list[int]], dict[str, list[list[float]]], list[list[int]], dict[str, Any]]:
+    """The probe on the rows under test themselves, for a forwarder whose actor config is ``actor``: old log-probs
+    the current ones (the service's scores of these very rows: ratio 1), advantage ``-g_t`` over the weight verl's
+    aggregation gives token ``t`` in these rows (:meth:`LossUnderTest.weights`).
+
+    The rows, and so the service's rounding, are those of the backend's own update: on a service in bf16, where a
+    row's log-probs depend on the batch they are computed in, this probe lands where the backend's update does
+    (within 2.2 % of the move on Arctic's own 0.1.4 server, where :func:`probe_batch`'s rows of one token land
+    23-65 % off by rounding alone). It goes through the backend's aggregation of these rows, so the check runs it
+    summed over tokens (``loss_agg_mode=token-sum``, each weight 1): a backend that weighs the loss under test's
+    tokens otherwise than verl then lands elsewhere, unless it weighs token-sum's tokens wrongly in just the same
+    way, which only :func:`probe_batch` tells. Returns ``(rows, responses, fields, masks, meta)``."""
+    now = _responses_of(under_test.current, under_test.rows, under_test.responses)
+    weights = under_test.weights(actor)
+    old = [[float(v) for v in row] for row in now]
+    advantages = [
+        [-float(g) / float(w) for g, w in zip(gs, ws, strict=True)] for gs, ws in zip(gradient, weights, strict=True)
+    ]
+    fields = {"old_log_probs": old, "advantages": advantages}
+    if bool(actor.use_kl_loss):
+        fields["ref_log_prob"] = old
+    masks = [[1] * len(r) for r in under_test.responses]
+    _, meta = under_test.mini_batch()
+    return [list(r) for r in under_test.rows], [list(r) for r in under_test.responses], fields, masks, meta
+
+
 def explain(
-    under_test: LossUnderTest, landed: np.ndarray, moved: float, probe: Callable[[list[np.ndarray]], np.ndarray]
+    under_test: LossUnderTest,
+    landed: np.ndarray,
+    start: np.ndarray,
+    rtol: float,
+    probe: Callable[[list[np.ndarray]], np.ndarray],
 ) -> str:
-    """Which usual mistake the backend's update matches (the log-probs after it, ``landed``), if one does: each
-    candidate is verl's gradient of another loss, sent through ``probe``."""
+    """Which usual mistake the backend's update matches (the log-probs after it, ``landed``; before it,
+    ``start``), if one does within ``rtol`` (:func:`apart`): each candidate is verl's gradient of another loss,
+    sent through ``probe``."""
     actor = under_test.actor
     mode = str(actor.policy_loss.loss_mode)
     candidates: list[tuple[str, dict[str, Any]]] = []
@@ -233,7 +294,8 @@ def explain(
     candidates.append((f"it aggregates as loss_agg_mode={other} does", {"loss_agg_mode": other}))
     for said, settings in candidates:
         after = probe(under_test.gradient(with_settings(actor, settings)))
-        if float(np.abs(landed - after).max()) <= GRADIENT_RTOL * moved:
+        distance, moved = apart(landed, after, start)
+        if distance <= rtol * moved:
             return f"; {said}"
     return ""
 

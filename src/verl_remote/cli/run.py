@@ -217,6 +217,11 @@ def _ray_init(config: DictConfig) -> None:
         # Ray would join a cluster someone started on this machine with `ray start`: a run with no address
         # asked for gets its own Ray instance (RAY_ADDRESS=auto joins the machine's cluster).
         ray_init["address"] = "local"
+        # Started lean: no dashboard (+ray_kwargs.ray_init.include_dashboard=true asks for it) and no spare
+        # workers prestarted for the driver's first job (a run's actors each start a worker of their own): about
+        # 11 CPU-seconds of a demo run's 60-74 (docs/measurements.md, "Start-up, phase by phase").
+        ray_init.setdefault("include_dashboard", False)
+        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     else:
         # A cluster that runs already has its resources; Ray refuses them on connect.
         for key in ("num_cpus", "num_gpus"):

@@ -252,7 +252,7 @@ def own_rows_batch(
     The rows, and so the service's rounding, are those of the backend's own update: on a service in bf16, where a
     row's log-probs depend on the batch they are computed in, this probe lands where the backend's update does
     (within 2.2 % of the move on Arctic's own 0.1.4 server, where :func:`probe_batch`'s rows of one token land
-    23-65 % off by rounding alone). It goes through the backend's aggregation of these rows, so the check runs it
+    23-58 % off by rounding alone). It goes through the backend's aggregation of these rows, so the check runs it
     summed over tokens (``loss_agg_mode=token-sum``, each weight 1): a backend that weighs the loss under test's
     tokens otherwise than verl then lands elsewhere, unless it weighs token-sum's tokens wrongly in just the same
     way, which only :func:`probe_batch` tells. Returns ``(rows, responses, fields, masks, meta)``."""

@@ -281,6 +281,48 @@ def test_the_gradient_check_proves_every_loss_verl_has_on_arctics_own_bf16_serve
     assert arctic_jobs(arctic.url) == {}
 
 
+@pytest.mark.train
+@pytest.mark.parametrize("arctic", ["v0.1"], indirect=True)
+def test_every_loss_verl_has_trains_an_update_on_arctics_own_v0_1_server(arctic: Arctic, ray_instance: Any) -> None:
+    """Protocol v0.1 (arctic-platform 0.1.2) has no checkpoint load, which the gradient check needs (it compares
+    two updates from one saved state: on main, above). There each of verl's 17 losses trains one update as a run
+    sends it, through verl-arctic's forwarder (Arctic's verl_grpo in one pass, or verl's gradient carried through
+    it), one after another: Arctic takes each, and the log-probs move and stay finite."""
+    import numpy as np
+    import ray
+
+    from verl_remote.testing import Conformance
+    from verl_remote.testing.gradient import LossUnderTest, every_loss, loss_label, with_settings
+    from verl_remote.testing.rows import responses_of
+
+    overrides = (
+        f"remote_backend.comms.url={arctic.url}",
+        f"remote_backend.training_gpus={TRAINING_RANKS}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    )
+    conformance = Conformance("arctic", overrides)
+    try:
+        for needed in ("spec", "from_config", "worker_reattaches", "sampler_reattaches"):
+            getattr(conformance, f"check_{needed}")()
+        worker = conformance.state.worker
+        rows, responses = conformance._gradient_rows()
+        lengths = [len(r) for r in responses]
+        actor = conformance.state.config.actor_rollout_ref.actor
+        before = conformance._log_probs(rows, lengths)
+        for settings in every_loss():
+            under = LossUnderTest(settings, with_settings(actor, settings), rows, responses, before)
+            fields, meta = under.mini_batch()
+            ray.get(worker.use_actor.remote(settings), timeout=600)
+            conformance._update(rows, responses, fields, [[1] * len(r) for r in responses], meta)
+            after = conformance._log_probs(rows, lengths)
+            moved = float(np.abs(np.concatenate(responses_of(after - before, rows, responses))).max())
+            assert np.isfinite(after).all() and moved > 0, (loss_label(settings, under.actor), moved)
+            before = after
+    finally:
+        conformance.close()
+    assert arctic_jobs(arctic.url) == {}
+
+
 def test_our_test_server_answers_every_route_as_arctics_own_server(arctic: Arctic, tmp_path: Path) -> None:
     generation = arctic.generation
     next_job = _next_job(arctic.url)  # after the run above: both servers number the conversation's jobs alike

@@ -451,9 +451,13 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def dead_url() -> str:
-    """A URL on 127.0.0.1 where nothing listens."""
-    return f"http://127.0.0.1:{free_port()}"
+def dead_url() -> Iterator[str]:
+    """A URL on 127.0.0.1 where nothing listens: its port stays bound, not listening, for the test (a connection
+    is refused), so that nothing else takes it meanwhile. (A port found free and let go was handed straight to
+    :func:`silent_url`'s socket once, and a call meant to be refused waited for its read timeout.)"""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture

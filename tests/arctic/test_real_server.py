@@ -130,6 +130,15 @@ def _backend(folder: Path, *overrides: str) -> Any:
     return ArcticBackend.from_config(config)
 
 
+def _on(arctic: Arctic) -> tuple[str, ...]:
+    """verl-arctic's settings for Arctic's own server: its URL, its training ranks, an attention CPU runs."""
+    return (
+        f"remote_backend.comms.url={arctic.url}",
+        f"remote_backend.training_gpus={TRAINING_RANKS}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    )
+
+
 @pytest.mark.train
 @pytest.mark.faults
 def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_leaves_its_jobs(
@@ -155,9 +164,7 @@ def test_verl_remote_trains_against_arctics_own_server_and_a_resume_beside_it_le
 
     settings = [
         "remote_backend=arctic",
-        f"remote_backend.comms.url={arctic.url}",
-        f"remote_backend.training_gpus={TRAINING_RANKS}",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        *_on(arctic),
         # A policy loss Arctic's verl_grpo is not: verl's gradient carried through it (verl_arctic.loss), with an
         # aggregation its servers do not name on main.
         *(
@@ -260,11 +267,7 @@ def test_the_gradient_check_proves_every_loss_verl_has_on_arctics_own_bf16_serve
     from verl_remote.testing import Conformance
     from verl_remote.testing.gradient import every_loss
 
-    overrides = (
-        f"remote_backend.comms.url={arctic.url}",
-        f"remote_backend.training_gpus={TRAINING_RANKS}",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-    )
+    overrides = _on(arctic)
     conformance = Conformance("arctic", overrides, losses=every_loss(), precision="bf16")
     try:
         for needed in ("spec", "from_config", "worker_reattaches", "sampler_reattaches", "training_step"):
@@ -295,11 +298,7 @@ def test_every_loss_verl_has_trains_an_update_on_arctics_own_v0_1_server(arctic:
     from verl_remote.testing.gradient import LossUnderTest, every_loss, loss_label, with_settings
     from verl_remote.testing.rows import responses_of
 
-    overrides = (
-        f"remote_backend.comms.url={arctic.url}",
-        f"remote_backend.training_gpus={TRAINING_RANKS}",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-    )
+    overrides = _on(arctic)
     conformance = Conformance("arctic", overrides)
     try:
         for needed in ("spec", "from_config", "worker_reattaches", "sampler_reattaches"):

@@ -218,8 +218,8 @@ def _ray_init(config: DictConfig) -> None:
         # asked for gets its own Ray instance (RAY_ADDRESS=auto joins the machine's cluster).
         ray_init["address"] = "local"
         # Started lean: no dashboard (+ray_kwargs.ray_init.include_dashboard=true asks for it) and no spare
-        # workers prestarted for the driver's first job (a run's actors each start a worker of their own): about
-        # 11 CPU-seconds of a demo run's 60-74 (docs/measurements.md, "Start-up, phase by phase").
+        # workers prestarted for the driver's first job (a run's actors each start a worker of their own): Ray's
+        # own processes use half the CPU-seconds (docs/measurements.md, "Start-up, phase by phase").
         ray_init.setdefault("include_dashboard", False)
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     else:

@@ -127,3 +127,39 @@ def test_one_line_is_type_and_message_folded_the_innermost_cause_of_a_ray_error_
     assert one_line(TaskError(KeyError("job 3"))) == "KeyError: 'job 3'"
     traceback = 'ray::Engine.step()\nTraceback (most recent call last):\n  File "x.py", line 1\nOSError: disk full'
     assert one_line(RuntimeError(traceback)) == "RuntimeError: OSError: disk full"
+
+
+def test_the_backend_made_beside_verls_start_up_is_the_trainers_or_destroyed_and_its_error_is_raised_there(
+    tmp_path: Path, ray_instance: Any
+) -> None:
+    from verl_remote.discovery.compose import compose_config
+    from verl_remote.integration.rollout import discard_server_ahead
+    from verl_remote.integration.trainer import BackendStart, RunStopped
+
+    def start(state_dir: Path) -> BackendStart:
+        return BackendStart(compose_config(["remote_backend=echo", f"remote_backend.state_dir={state_dir}"]))
+
+    # Taken by the trainer: made, and the trainer's to destroy (the runner's discard leaves it).
+    taken = start(tmp_path / "taken")
+    backend = taken.take()
+    assert backend.state() == {"weights_version": 0, "destroyed": False}  # type: ignore[attr-defined]
+    assert taken.discard() is False and not backend.state()["destroyed"]  # type: ignore[attr-defined]
+    # verl's start-up failed first, or the run is stopping: destroyed once made, and no trainer takes it after.
+    left = start(tmp_path / "left")
+    assert left.discard() is True and left.discard() is False
+    assert (
+        load_backend_class("echo")
+        .from_config(  # the state file the backend wrote, read through its handle
+            None, handle={"state_file": str(tmp_path / "left" / "state.json")}
+        )
+        .state()["destroyed"]
+    )  # type: ignore[attr-defined]
+    with pytest.raises(RunStopped, match="destroyed before the trainer was built"):
+        left.take()
+    # A backend that cannot be made: its error where the trainer takes it, nothing to destroy.
+    (tmp_path / "a-file").write_text("")
+    failed = start(tmp_path / "a-file")
+    with pytest.raises(OSError):
+        failed.take()
+    assert start(tmp_path / "a-file").discard() is False
+    discard_server_ahead()

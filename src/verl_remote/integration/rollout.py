@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import ray
@@ -42,6 +44,8 @@ __all__ = [
     "RemoteRolloutServer",
     "SampleResult",
     "SamplingParams",
+    "discard_server_ahead",
+    "start_server_ahead",
 ]
 
 #: How often one sampling request is sent at most when it fails with a transient fault, and the wait before each
@@ -234,15 +238,90 @@ class RemoteRolloutReplica(RolloutReplica):
         await self.launch_servers()
 
     async def launch_servers(self) -> None:
-        server = (
-            ray.remote(self.server_class)
-            .options(num_cpus=0, max_concurrency=self.max_concurrency)
-            .remote(self.config, self.model_config, self.replica_rank)
-        )
+        server = None
+        if not (self.is_reward_model or self.is_teacher_model):
+            server = _take_server_ahead(self)
+        if server is None:
+            server = _start_server(self)
         await server.ready.remote()
         self.servers = [server]
         self._server_handle = server
         self._server_address = f"verl-remote://replica/{self.replica_rank}{self.name_suffix}"
+
+
+def _start_server(replica: RemoteRolloutReplica) -> Any:
+    """The replica's server actor, started (its constructor runs in the background)."""
+    return (
+        ray.remote(replica.server_class)
+        .options(num_cpus=0, max_concurrency=replica.max_concurrency)
+        .remote(replica.config, replica.model_config, replica.replica_rank)
+    )
+
+
+@dataclass
+class _ServerAhead:
+    server: Any
+    #: What the server was started with: the replica's server class, config, model config and concurrency.
+    settings: tuple[Any, ...]
+
+
+def _settings(replica: RemoteRolloutReplica) -> tuple[Any, ...]:
+    return (replica.server_class, replica.config, replica.model_config, replica.max_concurrency)
+
+
+#: The first replica's server, started before verl builds the replica (:func:`start_server_ahead`); in the driver.
+_ahead: _ServerAhead | None = None
+_ahead_lock = threading.Lock()
+
+
+def start_server_ahead(config: Any) -> None:
+    """Start the server of the run's first rollout replica now, from the run's config with the hand-off attached.
+
+    ``verl-remote train`` calls it once the backend is made, beside verl's own start-up: the server's process
+    imports its libraries (seconds) while verl starts its workers, one after the other before. The replica is
+    built here as verl's ``LLMServerManager`` builds it from the same config; the one verl builds later takes the
+    server when its settings are the same (server class, rollout and model config, concurrency), and starts one
+    of its own otherwise.
+    """
+    global _ahead
+    rollout_config = config.actor_rollout_ref.rollout
+    replica = load_rollout_class(read_handoff(rollout_config).backend)(
+        replica_rank=0,
+        config=rollout_config,
+        model_config=config.actor_rollout_ref.model,
+        gpus_per_node=rollout_config.n_gpus_per_node,
+    )
+    ahead = _ServerAhead(_start_server(replica), _settings(replica))
+    with _ahead_lock:
+        previous, _ahead = _ahead, ahead
+    if previous is not None:
+        ray.kill(previous.server)
+
+
+def discard_server_ahead() -> None:
+    """Stop the server started ahead when no replica took it (the run ended before verl built its replicas)."""
+    global _ahead
+    with _ahead_lock:
+        ahead, _ahead = _ahead, None
+    if ahead is not None:
+        with contextlib.suppress(Exception):  # Ray may be shut down already: the server went with it
+            ray.kill(ahead.server)
+
+
+def _take_server_ahead(replica: RemoteRolloutReplica) -> Any:
+    """The server started ahead for this replica, when it is the one the replica would start; else None."""
+    global _ahead
+    if replica.replica_rank != 0:
+        return None
+    with _ahead_lock:
+        ahead, _ahead = _ahead, None
+    if ahead is None:
+        return None
+    if ahead.settings == _settings(replica):
+        return ahead.server
+    log.warning("verl-remote: the rollout server started ahead has other settings than verl's replica: restarted")
+    ray.kill(ahead.server)
+    return None
 
 
 class BackendRolloutReplica(RemoteRolloutReplica):

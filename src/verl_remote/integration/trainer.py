@@ -41,11 +41,14 @@ from verl_remote.discovery.compat import require_supported_verl
 require_supported_verl()  # before importing verl internals that a newer verl may have moved
 
 import asyncio
+import contextvars
+import copy
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any
 
 import ray
@@ -60,6 +63,7 @@ from verl_remote.discovery.registry import load_backend_class, load_worker_class
 from verl_remote.integration import names
 from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
+from verl_remote.integration.rollout import discard_server_ahead, start_server_ahead
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
 from verl_remote.runtime.checkpoints import resume_target, seal
@@ -72,6 +76,7 @@ __all__ = [
     "ASYNC_MODE",
     "MODE",
     "ROLLOUT_NAME",
+    "BackendStart",
     "RemotePPOTrainer",
     "RemoteTaskRunner",
     "RolloutError",
@@ -121,6 +126,74 @@ class CPUResourcePoolManager(ResourcePoolManager):
             )
 
 
+def _overlap(config: DictConfig, backend_class: type[RemoteBackend]) -> tuple[bool, str | None]:
+    """Whether the run samples while it trains (``trainer_mode=remote_async``), and the backend's reason when it
+    asked for that and the backend cannot."""
+    if str(config.trainer.v1.trainer_mode) != ASYNC_MODE:
+        return False, None
+    reason = backend_class.cannot_overlap(config)
+    return not reason, reason or None
+
+
+class BackendStart:
+    """The run's backend made in a thread of its own while verl starts its processes.
+
+    ``verl-remote train``'s TaskRunner begins it before verl's ``run`` starts TransferQueue's processes and the
+    trainer, which takes the backend where it would have made it (``from_config``, on the run's config as the
+    trainer then has it: its mode set). A backend's start-up (a service's actor importing its libraries, a
+    session opened with a service) then overlaps verl's own, one after the other before (docs/measurements.md,
+    "Start-up, phase by phase"). What ``from_config`` raises is raised where the trainer takes it.
+    """
+
+    def __init__(self, config: DictConfig) -> None:
+        backend_class = load_backend_class(str(config.remote_backend.name))
+        own = copy.deepcopy(config)  # verl's run resolves and edits its config meanwhile
+        with open_dict(own):
+            own.trainer.v1.trainer_mode = ASYNC_MODE if _overlap(own, backend_class)[0] else "sync"
+        self._lock = threading.Lock()
+        self._taken = False
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-remote-backend-start")
+        self._made: Future[RemoteBackend] = pool.submit(contextvars.copy_context().run, self._make, backend_class, own)
+        pool.shutdown(wait=False)
+
+    @staticmethod
+    def _make(backend_class: type[RemoteBackend], config: DictConfig) -> RemoteBackend:
+        backend = backend_class.from_config(config)
+        try:  # the first replica's server too, with the hand-off the trainer attaches to its own config
+            attach_handoff(config, str(config.remote_backend.name), backend.reconnect_handle())
+            start_server_ahead(config)
+        except Exception as exc:  # the replica starts its own, as verl has it
+            log.warning("verl-remote: the rollout server could not start ahead: %s", one_line(exc))
+        return backend
+
+    def take(self) -> RemoteBackend:
+        """The backend, once made, for the trainer, which destroys it from then on."""
+        with self._lock:
+            if self._taken:
+                raise RunStopped("the run is stopping: its backend was destroyed before the trainer was built")
+            self._taken = True
+        return self._made.result()
+
+    def discard(self) -> bool:
+        """Destroy the backend when no trainer took it (verl's start-up failed first, or the run is stopping),
+        once it is made; whether it did."""
+        with self._lock:
+            if self._taken:
+                return False
+            self._taken = True
+        try:
+            backend = self._made.result()
+        except BaseException:  # made nothing: what it raised is the trainer's to report, or no one's
+            return False
+        log.info("verl-remote: destroying the backend no trainer took")
+        asyncio.run(backend.destroy())
+        return True
+
+
+#: The backend being made for the trainer that verl builds in this context (set by RemoteTaskRunner).
+_BACKEND_START: ContextVar[BackendStart | None] = ContextVar("verl_remote_backend_start", default=None)
+
+
 @register_trainer(ASYNC_MODE)
 @register_trainer(MODE)
 class RemotePPOTrainer(PPOTrainerSync):
@@ -153,14 +226,13 @@ class RemotePPOTrainer(PPOTrainerSync):
                 "run; run it with `verl-remote train` to have it restart from its last checkpoint (remote_restart)",
                 flush=True,
             )
-        self.overlap = str(config.trainer.v1.trainer_mode) == ASYNC_MODE
-        if self.overlap and (reason := backend_class.cannot_overlap(config)):
+        self.overlap, reason = _overlap(config, backend_class)
+        if reason:
             print(
                 f"verl-remote: backend '{self.backend_name}' cannot sample while it trains ({reason}): "
                 f"this run is synchronous (trainer.v1.trainer_mode={MODE})",
                 flush=True,
             )
-            self.overlap = False
         with open_dict(config):
             config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
         #: The weight sync runs beside the next step, where the run asks and the backend can
@@ -168,7 +240,8 @@ class RemotePPOTrainer(PPOTrainerSync):
         self.background_sync = self.overlap and self._background_sync_asked(config, backend_class)
         self._sync: Future[float] | None = None
         self._syncer: ThreadPoolExecutor | None = None
-        self.backend: RemoteBackend = backend_class.from_config(config)
+        start = _BACKEND_START.get()
+        self.backend: RemoteBackend = start.take() if start is not None else backend_class.from_config(config)
         try:
             attach_handoff(config, self.backend_name, self.backend.reconnect_handle())
             super().__init__(config)
@@ -457,9 +530,13 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     def run(self, config: DictConfig) -> RunSummary:
         launched = names.LAUNCHER.set("cli")  # for the trainer verl builds in this call (this thread's context)
         restarts = names.RESTARTS.set(self.restarts)
+        self._start = BackendStart(config)  # beside verl's start-up, which begins in super().run
+        start = _BACKEND_START.set(self._start)
         try:
             super().run(config)
         finally:
+            discard_server_ahead()  # when verl built no replica to take it
+            _BACKEND_START.reset(start)
             names.RESTARTS.reset(restarts)
             names.LAUNCHER.reset(launched)
             self.destroy_backend()
@@ -477,7 +554,8 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
 
     def destroy_backend(self) -> bool:
         trainer = self._remote_trainer()
-        if trainer is None:
-            return False
+        if trainer is None:  # verl has not built it (yet): the backend made for it, if none took it
+            start: BackendStart | None = getattr(self, "_start", None)
+            return start.discard() if start is not None else False
         trainer.destroy_backend()
         return True

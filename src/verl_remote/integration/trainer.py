@@ -143,18 +143,35 @@ class BackendStart:
     trainer then has it: its mode set). A backend's start-up (a service's actor importing its libraries, a
     session opened with a service) then overlaps verl's own, one after the other before (docs/measurements.md,
     "Start-up, phase by phase"). What ``from_config`` raises is raised where the trainer takes it.
+
+    The thread lives until the run releases it (:meth:`release`, once the backend is destroyed), as the
+    TaskRunner's own thread did when it made the backend: what ``from_config`` started may be tied to the thread
+    that started it (a service launched with Linux's ``PR_SET_PDEATHSIG`` ends when that thread does).
     """
 
     def __init__(self, config: DictConfig) -> None:
         backend_class = load_backend_class(str(config.remote_backend.name))
         own = copy.deepcopy(config)  # verl's run resolves and edits its config meanwhile
-        with open_dict(own):
+        with open_dict(own):  # as the trainer sets it (its __init__)
             own.trainer.v1.trainer_mode = ASYNC_MODE if _overlap(own, backend_class)[0] else "sync"
         self._lock = threading.Lock()
         self._taken = False
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-remote-backend-start")
-        self._made: Future[RemoteBackend] = pool.submit(contextvars.copy_context().run, self._make, backend_class, own)
-        pool.shutdown(wait=False)
+        self._made: Future[RemoteBackend] = Future()
+        self._released = threading.Event()
+        self.thread = threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(self._run, backend_class, own),
+            name="verl-remote-backend-start",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def _run(self, backend_class: type[RemoteBackend], config: DictConfig) -> None:
+        try:
+            self._made.set_result(self._make(backend_class, config))
+        except BaseException as exc:
+            self._made.set_exception(exc)
+        self._released.wait()
 
     @staticmethod
     def _make(backend_class: type[RemoteBackend], config: DictConfig) -> RemoteBackend:
@@ -165,6 +182,10 @@ class BackendStart:
         except Exception as exc:  # the replica starts its own, as verl has it
             log.warning("verl-remote: the rollout server could not start ahead: %s", one_line(exc))
         return backend
+
+    def release(self) -> None:
+        """The run is over and its backend destroyed: the thread that made it ends."""
+        self._released.set()
 
     def take(self) -> RemoteBackend:
         """The backend, once made, for the trainer, which destroys it from then on."""
@@ -531,6 +552,7 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
         launched = names.LAUNCHER.set("cli")  # for the trainer verl builds in this call (this thread's context)
         restarts = names.RESTARTS.set(self.restarts)
         start = _BACKEND_START.set(None)
+        self._start: BackendStart | None = None
         try:
             self._start = BackendStart(config)  # beside verl's start-up, which begins in super().run
             _BACKEND_START.set(self._start)
@@ -540,7 +562,11 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
             _BACKEND_START.reset(start)
             names.RESTARTS.reset(restarts)
             names.LAUNCHER.reset(launched)
-            self.destroy_backend()
+            try:
+                self.destroy_backend()
+            finally:
+                if self._start is not None:  # after the backend is destroyed: what it started ends with the thread
+                    self._start.release()
         return self.summary()
 
     def summary(self) -> RunSummary:
@@ -556,7 +582,7 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
     def destroy_backend(self) -> bool:
         trainer = self._remote_trainer()
         if trainer is None:  # verl has not built it (yet): the backend made for it, if none took it
-            start: BackendStart | None = getattr(self, "_start", None)
+            start: BackendStart | None = getattr(self, "_start", None)  # none before run
             return start.discard() if start is not None else False
         trainer.destroy_backend()
         return True

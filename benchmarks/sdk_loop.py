@@ -38,8 +38,8 @@ RECIPE = ROOT / "configs" / "tinker-local-server.yaml"
 WARM_STEPS = 3  # the first steps compile the server's programs for their shapes: not counted in the median
 
 
-def demo_task() -> tuple[Any, list[list[int]], list[str], dict[str, Any]]:
-    """The recipe's composed config, the demo's prompts as token ids and their answers, and the run's settings."""
+def demo_task() -> tuple[list[list[int]], list[str], dict[str, Any]]:
+    """The demo's prompts as token ids and their answers, and the recipe's settings the loop uses."""
     from transformers import AutoTokenizer
 
     from verl_remote.demo import resolve_demo_assets
@@ -69,7 +69,7 @@ def demo_task() -> tuple[Any, list[list[int]], list[str], dict[str, Any]]:
         "eos": [int(tokenizer.eos_token_id)],
         "decode": tokenizer.decode,
     }
-    return config, prompts, answers, settings
+    return prompts, answers, settings
 
 
 async def sdk_loop(url: str, steps: int) -> tuple[list[float], list[float]]:
@@ -80,7 +80,7 @@ async def sdk_loop(url: str, steps: int) -> tuple[list[float], list[float]]:
     from verl_remote.demo.reward import compute_score
     from verl_remote_tinker import sdk  # each call as the SDK in this environment takes it (0.25 or newer)
 
-    _, prompts, answers, s = demo_task()
+    prompts, answers, s = demo_task()
     service = sdk.service_client(url, "tml-no-key-set", timeout_s=600, max_retries=0)
     training = await sdk.created(service, "create_lora_training_client", base_model=s["model"], rank=s["lora_rank"])
     sampler = await sdk.saved_for_sampling(training)

@@ -198,3 +198,24 @@ def test_the_thread_that_made_the_backend_lives_until_the_run_releases_it(
     start.release()
     start.thread.join(timeout=10)
     assert not start.thread.is_alive()
+
+
+def test_a_run_that_fails_while_its_backend_is_being_made_leaves_no_backend_and_no_rollout_server(
+    ray_instance: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl's start-up fails (here: at once) while the local backend's engine still starts: the runner waits for
+    the backend, destroys it, and stops the rollout server started ahead with it, which no replica will take."""
+    from conftest import live_actors
+    from verl_remote.demo import resolve_demo_assets
+    from verl_remote.discovery.compose import compose_config
+    from verl_remote.integration import trainer
+
+    def fails(self: Any, config: Any) -> None:
+        raise RuntimeError("verl's start-up failed")
+
+    monkeypatch.setattr(trainer.TaskRunnerV1.__ray_actor_class__, "run", fails)
+    config = compose_config(["remote_backend=local"], recipe="demo")
+    resolve_demo_assets(config)
+    with pytest.raises(RuntimeError, match="verl's start-up failed"):
+        trainer.RemoteTaskRunner().run(config)
+    assert live_actors(grace_s=5) == []

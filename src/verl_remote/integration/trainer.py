@@ -558,13 +558,13 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
             _BACKEND_START.set(self._start)
             super().run(config)
         finally:
-            discard_server_ahead()  # when verl built no replica to take it
             _BACKEND_START.reset(start)
             names.RESTARTS.reset(restarts)
             names.LAUNCHER.reset(launched)
             try:
-                self.destroy_backend()
+                self.destroy_backend()  # one no trainer took once it is made, its server ahead started with it
             finally:
+                discard_server_ahead()  # when verl built no replica to take it
                 if self._start is not None:  # after the backend is destroyed: what it started ends with the thread
                     self._start.release()
         return self.summary()

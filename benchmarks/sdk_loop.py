@@ -1,7 +1,7 @@
 """A remote step beside the simplest loop a user could write instead: the Tinker demo through verl-remote, and a
 plain tinker-SDK GRPO loop, on the same SkyRL Tinker server, task, batch and number of steps.
 
-    python benchmarks/sdk_loop.py [--steps 30]
+    python benchmarks/sdk_loop.py [--steps 30] [--also OVERRIDE ...]
 
 Starts SkyRL's Tinker server on this machine (``verl_remote_tinker.testing.local_server``; its environment is built
 once and reused), then on it, one after the other:
@@ -15,9 +15,10 @@ once and reused), then on it, one after the other:
 - ``verl-remote train --recipe configs/tinker-local-server.yaml`` with the same number of steps, no validation and
   no checkpoints.
 
-Prints each one's median step time (the steps after the first 3) and its mean reward over the first and the last 3
-steps. Needs verl-remote-tinker (pip install ./dists/verl-remote-tinker). The figures of record are in
-docs/measurements.md.
+``--also`` runs ``verl-remote train`` once more after the first, with those overrides added (say
+``remote_old_log_probs.source=recompute``: a before and after on one server). Prints each one's median step time
+(the steps after the first 3) and its mean reward over the first and the last 3 steps. Needs verl-remote-tinker
+(pip install ./dists/verl-remote-tinker). The figures of record are in docs/measurements.md.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ async def sdk_loop(url: str, steps: int) -> tuple[list[float], list[float]]:
     return times, rewards
 
 
-def verl_remote(url: str, steps: int, folder: Path) -> tuple[list[float], list[float]]:
+def verl_remote(url: str, steps: int, folder: Path, *also: str) -> tuple[list[float], list[float]]:
     """``verl-remote train`` on the same server; each step's seconds and mean reward, from verl's metrics lines."""
     cli = "from verl_remote.cli.main import console_main; console_main()"
     overrides = [
@@ -135,6 +136,7 @@ def verl_remote(url: str, steps: int, folder: Path) -> tuple[list[float], list[f
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
         f"trainer.default_local_dir={folder / 'ckpt'}",
+        *also,
     ]
     command = [sys.executable, "-c", cli, "train", "--recipe", str(RECIPE), *overrides]
     done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=3600, check=False)
@@ -163,6 +165,7 @@ def summary(name: str, times: list[float], rewards: list[float]) -> tuple[float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--also", nargs="+", default=[], metavar="OVERRIDE", help="a second verl-remote run's")
     args = parser.parse_args()
     if args.steps <= WARM_STEPS + 3:
         parser.error(f"--steps must be more than {WARM_STEPS + 3}")
@@ -178,6 +181,10 @@ def main() -> None:
         folder = Path(tmp) / "verl-remote"
         folder.mkdir()
         ours = verl_remote(server.url, args.steps, folder)
+        if args.also:
+            print(f"verl-remote train {' '.join(args.also)}, {args.steps} steps", flush=True)
+            (Path(tmp) / "also").mkdir()
+            also = verl_remote(server.url, args.steps, Path(tmp) / "also", *args.also)
     sdk_s, sdk_row = summary("tinker SDK loop", *sdk)
     ours_s, ours_row = summary("verl-remote train", *ours)
     machine = f"this machine, {os.cpu_count()} CPUs"
@@ -186,7 +193,12 @@ def main() -> None:
     print("|---|---|---|---|")
     print(sdk_row)
     print(ours_row)
+    if args.also:
+        also_s, also_row = summary(f"verl-remote train {' '.join(args.also)}", *also)
+        print(also_row)
     print(f"\nverl-remote's step: {ours_s / sdk_s:.2f}x the SDK loop's")
+    if args.also:
+        print(f"verl-remote's step with {' '.join(args.also)}: {also_s / sdk_s:.2f}x the SDK loop's")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,10 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         (["actor_rollout_ref.model.path=verl-remote://demo/nope"], "unknown demo asset 'verl-remote://demo/nope'"),
         (["algorithm.adv_estimator=gae"], "invalid config: algorithm.adv_estimator=gae needs a critic (a value model "),
         (
+            ["remote_old_log_probs.source=sampler"],
+            "verl-remote train: invalid config: remote_old_log_probs.source=sampler: expected one of auto, recompute",
+        ),
+        (
             ["algorithm.adv_estimator=remax"],
             "invalid config: algorithm.adv_estimator=remax needs a greedy baseline sample of every prompt, which "
             "verl's V1 trainer does not make: use one that needs only the rewards (algorithm.adv_estimator=grpo, ",

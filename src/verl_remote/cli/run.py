@@ -157,6 +157,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl.utils.config import validate_config
 
     from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME, estimator_problem
+    from verl_remote.integration.old_log_probs import old_log_probs_problem
     from verl_remote.runtime.record import resume_problem
 
     if config.get("remote_backend") is None:
@@ -166,7 +167,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
             f"trainer.v1.trainer_mode must be '{MODE}' (synchronous) or '{ASYNC_MODE}' (the next step samples while "
             f"this one trains) for verl-remote (got {config.trainer.v1.trainer_mode!r})"
         )
-    if problem := estimator_problem(config):
+    if problem := estimator_problem(config) or old_log_probs_problem(config):
         raise ConfigError(problem)
     if problem := resume_problem(config):
         raise ConfigError(problem)

@@ -152,6 +152,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_SYNC}.on_train_begin", "the weights version before the first step", ("self",)),
     Seam(f"{_SYNC}._consume_sync_metrics", "the background weight sync's timings", ("self",)),
     Seam(f"{_SYNC}._update_actor", "waits for a background weight sync", ("self", "batch", "metrics")),
+    Seam(
+        f"{_SYNC}._compute_old_log_prob",
+        "the sampler's log-probs as the old ones where the run's checks found them the trainer's",
+        ("self", "batch", "metrics"),
+    ),
     Seam("verl.trainer.ppo.v1.trainer_base:register_trainer", "the remote and remote_async modes", ("name",)),
     Seam("verl.trainer.ppo.utils:Role", "the roles the forwarder takes"),
     Seam("verl.single_controller.ray.base:ResourcePoolManager", "CPUResourcePoolManager's base"),

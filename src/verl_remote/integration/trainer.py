@@ -52,6 +52,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import ray
+import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.single_controller.ray.base import RayResourcePool, ResourcePoolManager
 from verl.trainer.main_ppo import TaskRunnerV1
@@ -63,6 +64,7 @@ from verl_remote.discovery.registry import load_backend_class, load_worker_class
 from verl_remote.integration import names
 from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
+from verl_remote.integration.old_log_probs import OldLogProbs, max_difference, old_log_probs_problem
 from verl_remote.integration.rollout import discard_server_ahead, start_server_ahead
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
@@ -234,7 +236,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         if not self.launched_by_cli:
             from verl_remote.runtime.cluster import check_cluster_paths
 
-            if problem := names.estimator_problem(config) or resume_problem(config):
+            if problem := names.estimator_problem(config) or resume_problem(config) or old_log_probs_problem(config):
                 raise ValueError(problem)
             if problem := single_forwarder_problem(
                 config, self.backend_name, backend_class.requires_single_forwarder()
@@ -256,6 +258,9 @@ class RemotePPOTrainer(PPOTrainerSync):
             )
         with open_dict(config):
             config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
+        #: Where each step's old log-probs come from (:mod:`verl_remote.integration.old_log_probs`).
+        self.old_log_probs = OldLogProbs.of(config, overlap=self.overlap)
+        self._entropy_from_update = False
         #: The weight sync runs beside the next step, where the run asks and the backend can
         #: (RemoteBackend.background_weight_sync); the one in flight.
         self.background_sync = self.overlap and self._background_sync_asked(config, backend_class)
@@ -491,9 +496,51 @@ class RemotePPOTrainer(PPOTrainerSync):
         super().on_step_end(**kwargs)
         self._publish_weights_version()
 
+    def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        """verl's pass, or the sampler's log-probs where the run's checks found them the same numbers
+        (:mod:`verl_remote.integration.old_log_probs`)."""
+        plan = self.old_log_probs.plan(int(self.global_steps))
+        metrics["verl_remote/old_log_probs_from_sampler"] = float(plan == "sampler")
+        if plan == "sampler":  # as verl's bypass mode puts them, and nothing else changed
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs"]
+            )
+            data["old_log_probs"] = data.pop("rollout_log_probs")
+            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=data)
+            self._entropy_from_update = True  # verl's pass also measured the entropy: the update does now
+            return batch
+        batch = super()._compute_old_log_prob(batch, metrics)
+        if plan == "check":
+            fields = ["old_log_probs", "rollout_log_probs", "response_mask"]
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            difference = max_difference(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])
+            metrics["verl_remote/sampler_log_prob_diff_max"] = difference
+            if said := self.old_log_probs.checked(difference, int(self.global_steps)):
+                print(said, flush=True)
+        return batch
+
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
         self._wait_for_sync()  # the update changes the weights the sync reads
-        return super()._update_actor(batch, metrics)
+        if not self._entropy_from_update:
+            return super()._update_actor(batch, metrics)
+        # verl's actor/entropy, which its old-log-prob pass measures, from the update's forward pass instead (the
+        # same number when a step trains one mini-batch; the mean over its mini-batches when more): its entropy
+        # does not enter the loss (actor.entropy_coeff times it, as always).
+        self._entropy_from_update = False
+        actor = self.config.actor_rollout_ref.actor
+        asked = actor.calculate_entropy
+        shown = bool(asked) or float(actor.entropy_coeff) != 0.0  # verl reports actor/entropy_loss then
+        with open_dict(actor):
+            actor.calculate_entropy = True
+        try:
+            result = super()._update_actor(batch, metrics)
+        finally:
+            with open_dict(actor):
+                actor.calculate_entropy = asked
+        entropy = metrics.get("actor/entropy_loss") if shown else metrics.pop("actor/entropy_loss", None)
+        if entropy is not None:  # a backend whose update measures no entropy (Tinker's) reports none
+            metrics["actor/entropy"] = entropy
+        return result
 
     def _sync_beside_next_step(self) -> None:
         """Start the backend's weight sync in a thread and go on (RemoteBackend.background_weight_sync): the

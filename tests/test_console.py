@@ -288,3 +288,32 @@ def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_die
         "verl-remote train: the run failed: Ray's raylet died under the run ('Raylet is terminated'); its calls then "
         "failed (ActorUnavailableError)"
     )
+
+
+def test_at_the_end_it_waits_for_the_workers_last_lines_until_they_stop_coming(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What cli/run.py waits before Ray shuts down: at least the quiet, longer while lines still come, never more
+    than the bound."""
+    import threading
+    import time
+
+    console, out, _err = _console(monkeypatch)
+    assert 0.2 <= console.wait_for_quiet(quiet_s=0.2, at_most_s=5.0) < 1.0  # nothing comes: the quiet itself
+
+    def say(count: int) -> None:
+        for i in range(count):
+            print(f"verl-remote: a worker's last line {i}")
+            time.sleep(0.1)
+
+    lines = threading.Thread(target=say, args=(8,))
+    lines.start()
+    waited = console.wait_for_quiet(quiet_s=0.3, at_most_s=5.0)
+    lines.join()
+    assert 0.8 + 0.3 - 0.15 <= waited < 4.0, waited  # the 8 lines came, then the quiet
+    assert out.getvalue().splitlines()[-1] == "verl-remote: a worker's last line 7"
+    lines = threading.Thread(target=say, args=(30,))
+    lines.start()
+    assert 1.0 <= console.wait_for_quiet(quiet_s=0.3, at_most_s=1.0) < 2.0  # lines keep coming: the bound
+    lines.join()
+    console.uninstall()

@@ -244,6 +244,18 @@ class Console:
         #: (which, what it said) when one of Ray's own processes died under the run: ("raylet", "Raylet is
         #: terminated"), "(raylet) Raylet is terminated. Termination is unexpected. ..." on the console.
         self.ray_died: tuple[str, str] | None = None
+        #: When the last line came (time.monotonic()).
+        self.last_line_at = time.monotonic()
+
+    def wait_for_quiet(self, *, quiet_s: float, at_most_s: float) -> float:
+        """Wait for the workers' last lines, which Ray forwards a moment after they are written: until no line
+        came for ``quiet_s`` and at least ``quiet_s`` passed, or ``at_most_s`` did; the seconds waited."""
+        began = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - began >= at_most_s or (now - began >= quiet_s and now - self.last_line_at >= quiet_s):
+                return now - began
+            time.sleep(0.05)
 
     def restarting(self) -> None:
         """The run starts again (a restart after a transient fault): its steps are shown again from where it
@@ -299,6 +311,7 @@ class Console:
     # -- sorting -------------------------------------------------------------------------------
 
     def line(self, line: str, stream: _Stream) -> None:
+        self.last_line_at = time.monotonic()
         plain, text = _strip(line.rstrip("\r"))
         # tqdm redraws with carriage returns; the last drawing is the line's state.
         text = text.rsplit("\r", 1)[-1]

@@ -104,6 +104,14 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     import time
     from pathlib import Path
 
+    # TransferQueue sets torch's threads to TQ_NUM_THREADS (8) around each put and get, capped at the machine's
+    # physical cores with a warning each time: several hundred lines a step on a small machine, each forwarded
+    # by Ray and sorted by the console. The same number, set before TransferQueue is imported here or in a
+    # worker of the run's own Ray instance (which inherits this environment), warns nowhere.
+    import psutil
+
+    os.environ.setdefault("TQ_NUM_THREADS", str(max(1, min(8, psutil.cpu_count(logical=False) or 1))))
+
     from verl_remote.cli.inputs import check_inputs
     from verl_remote.cli.preflight import check_numbers, probe_service, run_preflight
     from verl_remote.cli.run import (

@@ -129,7 +129,10 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 _TERMINATED = False
+#: At a run's end, before Ray shuts down: the longest wait for the workers' last lines, and the quiet that ends it
+#: sooner (Ray's log monitor reads the workers' files every 0.1 s when they are idle).
 LOG_DRAIN_S = 1.5
+LOG_QUIET_S = 0.5
 #: How long a stopped run's driver waits for its TaskRunner's loop to end, before and after Ray is shut down.
 RUNNER_STOP_S = 10.0
 
@@ -375,7 +378,13 @@ def _run(config: DictConfig, report: RunSummary, restarts: int) -> None:
         with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C now must not skip the shutdown
             if thread is not None:  # a stopped run's loop ends at its next call to the destroyed backend
                 thread.join(timeout=RUNNER_STOP_S)
-            time.sleep(LOG_DRAIN_S)
+            from verl_remote.cli.console import current_console
+
+            console = current_console()
+            if console is not None:
+                console.wait_for_quiet(quiet_s=LOG_QUIET_S, at_most_s=LOG_DRAIN_S)
+            else:
+                time.sleep(LOG_DRAIN_S)
         ray.shutdown()
         if thread is not None:  # what it still waited on fails now: it ends while the console sorts its output
             thread.join(timeout=RUNNER_STOP_S)

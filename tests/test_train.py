@@ -171,6 +171,9 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
     # The backend and the first rollout server start beside verl's own start-up; verl's replica takes that server
     # (integration/rollout.py says so when it cannot).
     assert "could not start ahead" not in log and "server started ahead has other settings" not in log
+    # TransferQueue's thread count is the machine's physical cores (TQ_NUM_THREADS, set by the CLI): no warning at
+    # every put and get that it capped its default of 8 to them.
+    assert "should not exceed total physical CPU cores" not in log
 
 
 def _stop_at(proc: subprocess.Popen[str], marker: str, stop: signal.Signals) -> tuple[int, str]:

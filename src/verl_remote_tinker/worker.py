@@ -10,10 +10,11 @@ log-prob ``l_t`` of each response token. Its gradient with respect to the model 
 service is then sent its own ``importance_sampling`` loss, ``-exp(l_t - s_t) * A_t`` per token, with ``s_t = l_t``
 (ratio 1) and ``A_t = -g_t * c_i``: its gradient is verl's. ``c_i`` undoes the service's reduction: 1 where the
 service sums over tokens (Tinker's documented semantics), ``sum(weights_i) * rows`` where it takes each sequence's
-mean and then the mean over the sequences of the step (SkyRL). Before a step's first optimizer step the weights are
-the ones its old log-probs are of (verl's pass over them, or the sampler's where the run found them the same:
-``remote_old_log_probs``), so the mini-batches before it take their response tokens' ``l_t`` from
-``old_log_probs`` (the prompt's targets carry weight 0); the others ask the service (``forward``).
+mean and then the mean over the sequences of the step (SkyRL). Where the trainer says the mini-batch's old
+log-probs are of the weights as they are (``meta["old_log_probs_current"]``: a step's first mini-batch, its old
+log-probs verl's pass at these weights or the sampler's found the same, ``remote_old_log_probs``), the response
+tokens' ``l_t`` are those (the prompt's targets carry weight 0); else the service is asked (``forward``, which
+answers from the session's cache when ``compute_log_prob`` asked for the same rows at the same weights).
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ __all__ = ["TinkerForwarderWorker", "from_old_log_probs", "linearised_datums"]
 class TinkerForwarderWorker(RemoteForwarderWorker):
     backend: TinkerBackend
 
-    #: Whether the optimizer stepped since the step began: the weights are no longer the old log-probs' then.
-    _stepped = False
-
     def backend_log_probs(
         self, data: TensorDict, *, temperature: float, calculate_entropy: bool, reference: bool
     ) -> tuple[Any, Any]:
@@ -52,10 +50,10 @@ class TinkerForwarderWorker(RemoteForwarderWorker):
     def backend_forward_backward(self, mini_batch: TensorDict, meta: dict[str, Any]) -> dict[str, float]:
         ids = mini_batch["input_ids"]
         rows = _rows(ids)
-        if self._stepped or "old_log_probs" not in set(mini_batch.keys()):
-            current = self.backend.forward(rows, update=True)
-        else:
+        if meta.get("old_log_probs_current"):
             current = from_old_log_probs(rows, mini_batch["old_log_probs"])
+        else:
+            current = self.backend.forward(rows, update=True)
         flat = torch.tensor(np.concatenate([np.append(v, 0.0) for v in current]), dtype=torch.float32)
         gradient, metrics = actor_loss_gradient(_jagged(flat, ids.offsets()), mini_batch, meta, self.config.actor)
         datums = linearised_datums(
@@ -65,11 +63,9 @@ class TinkerForwarderWorker(RemoteForwarderWorker):
         return metrics
 
     def backend_optimizer_step(self) -> dict[str, float]:
-        self._stepped = True
         return self.backend.optim_step()
 
     def backend_end_of_step(self) -> float | None:
-        self._stepped = False
         return self.backend.end_of_step()
 
 

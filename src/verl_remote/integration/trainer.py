@@ -66,6 +66,7 @@ from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 from verl_remote.integration.old_log_probs import OldLogProbs, max_difference, old_log_probs_problem
 from verl_remote.integration.rollout import discard_server_ahead, start_server_ahead
+from verl_remote.integration.worker import OLD_LOG_PROBS_CURRENT
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
 from verl_remote.runtime.checkpoints import resume_target, seal
@@ -261,6 +262,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         #: Where each step's old log-probs come from (:mod:`verl_remote.integration.old_log_probs`).
         self.old_log_probs = OldLogProbs.of(config, overlap=self.overlap)
         self._entropy_from_update = False
+        self._old_log_probs_current = False
         #: The weight sync runs beside the next step, where the run asks and the backend can
         #: (RemoteBackend.background_weight_sync); the one in flight.
         self.background_sync = self.overlap and self._background_sync_asked(config, backend_class)
@@ -501,13 +503,17 @@ class RemotePPOTrainer(PPOTrainerSync):
         (:mod:`verl_remote.integration.old_log_probs`)."""
         plan = self.old_log_probs.plan(int(self.global_steps))
         metrics["verl_remote/old_log_probs_from_sampler"] = float(plan == "sampler")
+        self._entropy_from_update = plan == "sampler"  # verl's pass also measures the entropy: else the update does
+        # The old log-probs are the model's as it is now (the update's forwarder tells its backend): the sampler's,
+        # found the same, or verl's pass at these weights; not in verl's bypass mode (the sampler's, unchecked).
+        bypass = OmegaConf.select(self.config, "algorithm.rollout_correction.bypass_mode", default=False)
+        self._old_log_probs_current = plan == "sampler" or not bypass
         if plan == "sampler":  # as verl's bypass mode puts them, and nothing else changed
             data = tq.kv_batch_get(
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs"]
             )
             data["old_log_probs"] = data.pop("rollout_log_probs")
             tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=data)
-            self._entropy_from_update = True  # verl's pass also measured the entropy: the update does now
             return batch
         batch = super()._compute_old_log_prob(batch, metrics)
         if plan == "check":
@@ -521,6 +527,7 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
         self._wait_for_sync()  # the update changes the weights the sync reads
+        batch.extra_info[OLD_LOG_PROBS_CURRENT] = self._old_log_probs_current
         if not self._entropy_from_update:
             return super()._update_actor(batch, metrics)
         # verl's actor/entropy, which its old-log-prob pass measures, from the update's forward pass instead (the

@@ -39,6 +39,11 @@ __all__ = ["RemoteForwarderWorker"]
 log = logging.getLogger(__name__)
 
 
+#: In ``backend_forward_backward``'s ``meta``: True when the mini-batch's ``old_log_probs`` are the log-probs of the
+#: model as it is now (the step's first mini-batch, before any optimizer step, where the trainer computed them at
+#: these weights or found the sampler's the same), so a service need not score the tokens again for them.
+OLD_LOG_PROBS_CURRENT = "old_log_probs_current"
+
 #: The methods a backend's worker implements or may override, called by verl-remote with these bases' arguments.
 HOOKS = (
     "backend_log_probs",
@@ -99,6 +104,9 @@ class RemoteForwarderWorker(Worker):
             "calculate_entropy": bool(tu.get(data, "calculate_entropy", False)),
             "dp_size": self.world_size,
         }
+        # Whether old_log_probs are the log-probs of the weights this update starts from (the trainer says so:
+        # verl's pass at this step, or the sampler's found the same), until the first optimizer step.
+        current = bool(tu.get(data, OLD_LOG_PROBS_CURRENT, False))
         tensors = data.select(*[k for k, v in data.items() if _is_tensor(v)])
         per_rank = max(mini_batch_size // self.world_size, 1)
         metrics: dict[str, list[float]] = {}
@@ -109,10 +117,12 @@ class RemoteForwarderWorker(Worker):
             # this rank's times the rank count: exact with one forwarder, an estimate with more).
             meta["batch_num_tokens"] = int(mini_batch["response_mask"].values().sum()) * self.world_size
             meta["global_batch_size"] = mini_batch_size
+            meta[OLD_LOG_PROBS_CURRENT] = current
             for key, value in self.backend_forward_backward(mini_batch, dict(meta)).items():
                 metrics.setdefault(key, []).append(float(value))
             for key, value in self.backend_optimizer_step().items():
                 metrics.setdefault(key, []).append(float(value))
+            current = False
         lr = self.backend_end_of_step()
         if lr is not None:
             # The learning rate the optimizer steps used, when the backend reported it; else the schedule's.
@@ -181,7 +191,8 @@ class RemoteForwarderWorker(Worker):
         """One forward-backward pass of verl's actor loss on ``mini_batch``; returns its metrics.
 
         ``meta``: ``temperature``, ``calculate_entropy``, ``dp_size``,
-        ``batch_num_tokens`` and ``global_batch_size`` (for verl's loss aggregation); the loss settings are in
+        ``batch_num_tokens`` and ``global_batch_size`` (for verl's loss aggregation), and
+        ``old_log_probs_current`` (:data:`OLD_LOG_PROBS_CURRENT`); the loss settings are in
         ``self.config.actor``. :func:`verl_remote.kit.compute.actor_loss` computes verl's loss from them. Return
         at least ``loss``, as plain floats without the ``actor/`` prefix (docs/backend-author-guide.md).
         """

@@ -75,6 +75,8 @@ def test_a_run_whose_sampler_is_not_its_trainer_or_that_says_so_recomputes(
 ) -> None:
     choice = OldLogProbs.of(_config(**overrides), overlap=overlap)
     assert reason in choice.reason
+    # verl's pass at these weights is the model's own, but for verl's bypass mode (the sampler's, unchecked).
+    assert choice.current("recompute") is ("bypass_mode" not in reason)
     assert _run(choice, 1, 12, {}) == (["recompute"] * 12, [])
 
 

@@ -62,6 +62,8 @@ class OldLogProbs:
     check_every: int = 0
     #: Why the run never takes the sampler's (said in the run's log); empty when it may.
     reason: str = ""
+    #: ``algorithm.rollout_correction.bypass_mode``: verl's pass then puts the sampler's, unchecked.
+    bypass: bool = False
     checks: int = 0
     failed: bool = False
 
@@ -82,7 +84,7 @@ class OldLogProbs:
             reason = "algorithm.rollout_correction.bypass_mode=true: verl takes the sampler's itself"
         elif correction.get("rollout_is") or correction.get("rollout_rs"):
             reason = "algorithm.rollout_correction corrects for the sampler: verl's pass is its reference"
-        return cls(tolerance=tolerance, check_every=every, reason=reason)
+        return cls(tolerance=tolerance, check_every=every, reason=reason, bypass=bool(correction.get("bypass_mode")))
 
     def plan(self, step: int) -> str:
         """What ``step`` does: ``"sampler"`` (the sampler's, no pass), ``"check"`` (the pass, then compare) or
@@ -92,6 +94,11 @@ class OldLogProbs:
         if self.checks < FIRST_CHECKS or (self.check_every and step % self.check_every == 0):
             return "check"
         return "sampler"
+
+    def current(self, plan: str) -> bool:
+        """Whether a step that did ``plan`` has the old log-probs of the weights as they are: the sampler's found
+        the same, or verl's pass at these weights (not in verl's bypass mode)."""
+        return plan == "sampler" or not self.bypass
 
     def checked(self, difference: float, step: int) -> str | None:
         """Take ``step``'s check; the line that says what the run does from then on, when that changed."""

@@ -261,8 +261,7 @@ class RemotePPOTrainer(PPOTrainerSync):
             config.trainer.v1.trainer_mode = ASYNC_MODE if self.overlap else "sync"
         #: Where each step's old log-probs come from (:mod:`verl_remote.integration.old_log_probs`).
         self.old_log_probs = OldLogProbs.of(config, overlap=self.overlap)
-        self._entropy_from_update = False
-        self._old_log_probs_current = False
+        self._old_log_probs_plan = "recompute"  # this step's (OldLogProbs.plan)
         #: The weight sync runs beside the next step, where the run asks and the backend can
         #: (RemoteBackend.background_weight_sync); the one in flight.
         self.background_sync = self.overlap and self._background_sync_asked(config, backend_class)
@@ -501,13 +500,8 @@ class RemotePPOTrainer(PPOTrainerSync):
     def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
         """verl's pass, or the sampler's log-probs where the run's checks found them the same numbers
         (:mod:`verl_remote.integration.old_log_probs`)."""
-        plan = self.old_log_probs.plan(int(self.global_steps))
+        plan = self._old_log_probs_plan = self.old_log_probs.plan(int(self.global_steps))
         metrics["verl_remote/old_log_probs_from_sampler"] = float(plan == "sampler")
-        self._entropy_from_update = plan == "sampler"  # verl's pass also measures the entropy: else the update does
-        # The old log-probs are the model's as it is now (the update's forwarder tells its backend): the sampler's,
-        # found the same, or verl's pass at these weights; not in verl's bypass mode (the sampler's, unchecked).
-        bypass = OmegaConf.select(self.config, "algorithm.rollout_correction.bypass_mode", default=False)
-        self._old_log_probs_current = plan == "sampler" or not bypass
         if plan == "sampler":  # as verl's bypass mode puts them, and nothing else changed
             data = tq.kv_batch_get(
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs"]
@@ -527,13 +521,13 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
         self._wait_for_sync()  # the update changes the weights the sync reads
-        batch.extra_info[OLD_LOG_PROBS_CURRENT] = self._old_log_probs_current
-        if not self._entropy_from_update:
+        # Whether the old log-probs are the model's as it is now: the update's forwarder tells its backend.
+        batch.extra_info[OLD_LOG_PROBS_CURRENT] = self.old_log_probs.current(self._old_log_probs_plan)
+        if self._old_log_probs_plan != "sampler":
             return super()._update_actor(batch, metrics)
         # verl's actor/entropy, which its old-log-prob pass measures, from the update's forward pass instead (the
         # same number when a step trains one mini-batch; the mean over its mini-batches when more): its entropy
         # does not enter the loss (actor.entropy_coeff times it, as always).
-        self._entropy_from_update = False
         actor = self.config.actor_rollout_ref.actor
         asked = actor.calculate_entropy
         shown = bool(asked) or float(actor.entropy_coeff) != 0.0  # verl reports actor/entropy_loss then

@@ -199,7 +199,7 @@ def test_a_sampling_request_is_sent_again_after_a_transient_fault_a_bounded_numb
     monkeypatch: pytest.MonkeyPatch, failures: int, error: BaseException, calls: int, fails: bool
 ) -> None:
     from verl_remote import SamplingParams
-    from verl_remote.integration import rollout
+    from verl_remote.integration import server as rollout
 
     monkeypatch.setattr(rollout, "SAMPLE_RETRY_WAIT_S", 0.01)
     if isinstance(error, TimeoutError):  # as if the try took longer than the window

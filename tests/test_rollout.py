@@ -8,7 +8,7 @@ import pytest
 
 from conftest import live_actors
 from verl_remote import SampleResult, SamplingParams
-from verl_remote.integration.rollout import within_contract
+from verl_remote.kit.sampling import within_contract
 
 
 def test_an_agent_loops_stop_ids_add_to_the_models_eos_and_end_the_response_after_the_first() -> None:

@@ -37,7 +37,7 @@ _EXPORTS = {
     # the classes verl runs, to subclass (they import verl)
     "RemoteForwarderWorker": "verl_remote.integration.worker",
     "RemoteRolloutReplica": "verl_remote.integration.rollout",
-    "RemoteRolloutServer": "verl_remote.integration.rollout",
+    "RemoteRolloutServer": "verl_remote.integration.server",
     # one sampling request, handed to the rollout server's sample
     "SampleResult": "verl_remote.kit.sampling",
     "SamplingParams": "verl_remote.kit.sampling",
@@ -129,7 +129,8 @@ __stability__ = {
 }
 
 if TYPE_CHECKING:
-    from verl_remote.integration.rollout import RemoteRolloutReplica, RemoteRolloutServer
+    from verl_remote.integration.rollout import RemoteRolloutReplica
+    from verl_remote.integration.server import RemoteRolloutServer
     from verl_remote.integration.worker import RemoteForwarderWorker
     from verl_remote.kit.backend import RemoteBackend
     from verl_remote.kit.compute import actor_loss, actor_loss_gradient, response_index, response_values, sample_token

@@ -1,28 +1,14 @@
-"""The Tinker rollout replica: each generation request is one ``SamplingClient.sample`` of the current weights.
-
-Every replica samples through the run's one session, whose sampler is replaced at each weight sync, so all
-replicas switch to the new weights together. verl's temperature, top-p and top-k go as Tinker's
-``SamplingParams`` (temperature 0: greedy, as verl's validation asks), the model's EOS ids as ``stop``; the
-sampled tokens' log-probs come back with them. Tinker's stop reasons "stop" and "length" are both verl's
-"completed".
-"""
+"""The Tinker rollout replica; its server, one ``SamplingClient.sample`` a request, is
+:mod:`verl_remote_tinker.server`."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from verl_remote import RemoteRolloutReplica, RemoteRolloutServer, SampleResult, SamplingParams
-from verl_remote_tinker.backend import TinkerBackend
+from verl_remote import RemoteRolloutReplica, RemoteRolloutServer
+from verl_remote_tinker.server import TinkerRolloutServer
 
 __all__ = ["TinkerRolloutReplica", "TinkerRolloutServer"]
-
-
-class TinkerRolloutServer(RemoteRolloutServer):
-    backend: TinkerBackend
-
-    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        result = await self.backend.sample(prompt_ids, params)
-        return SampleResult(list(result["tokens"]), result["logprobs"], "completed")
 
 
 class TinkerRolloutReplica(RemoteRolloutReplica):

@@ -1,41 +1,28 @@
-"""The rollout replica: answers verl's generation requests from the backend.
+"""The rollout replica: verl builds one per rollout replica; it starts one CPU-only server actor.
 
-verl's agent loops send each generation request to a replica's server actor
-(``server.generate(prompt_ids=..., sampling_params=..., request_id=...)``) and
-expect verl's ``TokenOutput`` back, tagged with the weights version
-(``extra_fields["global_steps"]``). :class:`RemoteRolloutReplica` starts one
-CPU-only server actor; :class:`RemoteRolloutServer` does verl's part of the
-contract (token budget, sampling parameters, version tags, the sleep/wake calls
-verl makes every step) and leaves one method to a backend:
-:meth:`RemoteRolloutServer.sample`. The sampling contract is enforced here, once
-for every backend: verl's parameters are parsed with verl's defaults
-(:class:`SamplingParams`), and what ``sample`` returns is cut at ``max_tokens``
-and after the first stop id, with one log-prob per token when they are asked for. A request that fails with a
-transient fault (:func:`~verl_remote.kit.faults.is_transient`: a lost connection, a 502) is sent again, at most
-:data:`SAMPLE_ATTEMPTS` times in all: sampling changes nothing on the service, so one 502 costs a retry, not the
-step.
+The server (:class:`~verl_remote.integration.server.RemoteRolloutServer`, in a module of its own that imports no
+verl) answers verl's generation requests from the backend; a backend's replica names its server class
+(:attr:`RemoteRolloutReplica.server_class`). ``verl-remote train`` starts the first replica's server before verl
+builds the replica (:func:`start_server_ahead`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import ray
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+from omegaconf import OmegaConf
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-from verl_remote.discovery.registry import load_backend_class, load_rollout_class
+from verl_remote.discovery.registry import load_rollout_class
 from verl_remote.integration.handoff import read as read_handoff
-from verl_remote.kit.backend import RemoteBackend
-from verl_remote.kit.errors import one_line
-from verl_remote.kit.faults import is_transient
-from verl_remote.kit.overrides import check_overrides
-from verl_remote.kit.sampling import SampleResult, SamplingParams, within_contract
+from verl_remote.integration.server import SAMPLE_ATTEMPTS, RemoteRolloutServer
+from verl_remote.kit.sampling import SampleResult, SamplingParams
 
 __all__ = [
     "SAMPLE_ATTEMPTS",
@@ -48,177 +35,7 @@ __all__ = [
     "start_server_ahead",
 ]
 
-#: How often one sampling request is sent at most when it fails with a transient fault, and the wait before each
-#: further try (doubled each time): a fault that outlasts them fails the request, and the step.
-SAMPLE_ATTEMPTS = 3
-SAMPLE_RETRY_WAIT_S = 1.0
-#: No further try once this long has passed since the first: a fault that takes a request's whole timeout (a
-#: service gone silent) is the run's restart's to wait out, not each request's three times over.
-SAMPLE_RETRY_WINDOW_S = 60.0
-
 log = logging.getLogger(__name__)
-
-
-class RemoteRolloutServer:
-    """Runs as an async Ray actor; re-attaches to the backend through its handle."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        from verl_remote._deprecated import adapt_old_sample
-
-        adapt_old_sample(cls)  # sample(prompt_ids, max_tokens, sampling_params), as before 0.1.0: warns, adapted
-        check_overrides(cls, RemoteRolloutServer, ("sample",))  # one that does not fit fails here, not in a step
-
-    def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
-        self.config = rollout_config
-        self.replica_rank = replica_rank
-        handoff = read_handoff(rollout_config)
-        self.backend: RemoteBackend = load_backend_class(handoff.backend).from_config(
-            handoff.main_config({"model": model_config}), handle=handoff.handle
-        )
-        self.global_steps = 0
-        self.failures: list[tuple[str, bool]] = []  # each failed request's error in one line, and if transient
-        self.retried = 0
-        self.inflight = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_config.path))
-        self.stop_token_ids = _stop_token_ids(self.tokenizer, str(model_config.path))
-
-    async def ready(self) -> bool:
-        return True
-
-    async def set_global_steps(self, global_steps: int) -> None:
-        self.global_steps = int(global_steps)
-
-    async def wait_idle(self, timeout_s: float) -> int:
-        """Wait until no request is sampling, at most ``timeout_s``; how many still are."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.idle.wait(), timeout_s)
-        return self.inflight
-
-    async def take_failures(self) -> list[tuple[str, bool]]:
-        """The failed requests since the last call, oldest first: each one's error in one line, and whether it was
-        transient (:func:`~verl_remote.kit.faults.is_transient`)."""
-        failures, self.failures = self.failures, []
-        return failures
-
-    def max_tokens(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
-        """verl's token budget: the response length, capped by prompt+response and the model length."""
-        room = int(self.config.max_model_len or (self.config.prompt_length + self.config.response_length)) - prompt_len
-        if room < 1:
-            raise ValueError(f"prompt of {prompt_len} tokens leaves no room to generate (max_model_len)")
-        budget = sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens")
-        if budget is None:
-            budget = min(
-                self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len
-            )
-        return max(1, min(int(budget), room))
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: Any = None,
-        video_data: Any = None,
-        **kwargs: Any,
-    ) -> TokenOutput:
-        if image_data or video_data:
-            raise ValueError("verl-remote's rollout replica serves text prompts only")
-        prompt_ids = [int(t) for t in prompt_ids]
-        # The weights versions this request may have sampled from: an overlapped run publishes a new one while
-        # requests sample (verl's trajectory_staleness metrics read the range).
-        first_version = self.global_steps
-        self.inflight += 1
-        self.idle.clear()
-        try:
-            params = SamplingParams.from_verl(
-                sampling_params,
-                max_tokens=self.max_tokens(len(prompt_ids), sampling_params),
-                stop_token_ids=self.stop_token_ids,
-            )
-            result = await self._sample_retrying(prompt_ids, params)
-        except Exception as exc:
-            # verl's agent loop logs the exception and counts the prompt as failed; the trainer asks for the
-            # failures after sampling and stops the step with the backend's own words (take_failures).
-            self.failures.append((one_line(exc), is_transient(exc)))
-            raise
-        finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self.idle.set()
-        return TokenOutput(
-            token_ids=result.token_ids,
-            log_probs=result.log_probs,
-            stop_reason=result.stop_reason,
-            extra_fields={
-                "global_steps": self.global_steps,
-                "min_global_steps": first_version,
-                "max_global_steps": self.global_steps,
-            },
-        )
-
-    async def _sample_retrying(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        """:meth:`sample_within_contract`, sent again after a transient fault (:data:`SAMPLE_ATTEMPTS`, within
-        :data:`SAMPLE_RETRY_WINDOW_S`)."""
-        began = time.monotonic()
-        for attempt in range(SAMPLE_ATTEMPTS):
-            try:
-                return await self.sample_within_contract(prompt_ids, params)
-            except Exception as exc:
-                late = time.monotonic() - began > SAMPLE_RETRY_WINDOW_S
-                if attempt + 1 >= SAMPLE_ATTEMPTS or late or not is_transient(exc):
-                    raise
-                self.retried += 1
-                wait_s = SAMPLE_RETRY_WAIT_S * 2**attempt
-                log.warning(
-                    "verl-remote: a sampling request is sent again in %g s (try %d of %d) after a transient fault: %s",
-                    wait_s,
-                    attempt + 2,
-                    SAMPLE_ATTEMPTS,
-                    one_line(exc),
-                )
-                await asyncio.sleep(wait_s)
-        raise AssertionError("unreachable")
-
-    async def take_retried(self) -> int:
-        """How many sampling requests were sent again after a transient fault since the last call."""
-        retried, self.retried = self.retried, 0
-        return retried
-
-    async def sample_within_contract(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        """:meth:`sample`, cut to the contract (:func:`within_contract`): what verl receives."""
-        return within_contract(await self.sample(prompt_ids, params), params)
-
-    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        """Sample one response from the backend; the one method a backend's server implements.
-
-        ``params`` is the request's sampling, parsed (:class:`SamplingParams`):
-        ``temperature`` (0: greedy, as in verl's validation), ``top_p``,
-        ``top_k``, ``repetition_penalty``, ``logprobs`` (whether one log-prob
-        per sampled token is wanted), ``max_tokens`` and ``stop_token_ids`` (the
-        model's EOS ids). Pass the budget and the stop ids to the service so it
-        stops early; what it returns past either is cut here, so a service that
-        only knows its own EOS is fine. ``self.tokenizer`` is the model's
-        tokenizer. ``stop_reason`` "aborted" makes verl send the request again
-        with the tokens so far appended to the prompt.
-        """
-        raise NotImplementedError
-
-    # verl calls these on every replica; a backend whose sampler holds memory
-    # between steps (a KV cache on the trainer's GPUs) overrides sleep/wake_up.
-    async def sleep(self) -> None: ...
-    async def wake_up(self, tags: Any = None) -> None: ...
-    async def clear_kv_cache(self) -> None: ...
-    async def release_kv_cache(self) -> None: ...
-    async def resume_kv_cache(self) -> None: ...
-    async def abort_all_requests(self, reject_request: bool = False) -> None: ...
-    async def resume_generation(self) -> None: ...
-    async def start_profile(self, **kwargs: Any) -> None: ...
-    async def stop_profile(self) -> None: ...
 
 
 class RemoteRolloutReplica(RolloutReplica):
@@ -254,8 +71,21 @@ def _start_server(replica: RemoteRolloutReplica) -> Any:
     return (
         ray.remote(replica.server_class)
         .options(num_cpus=0, max_concurrency=replica.max_concurrency)
-        .remote(replica.config, replica.model_config, replica.replica_rank)
+        .remote(_plain(replica.config), replica.model_config, replica.replica_rank)
     )
+
+
+def _plain(rollout_config: Any) -> Any:
+    """verl's rollout config (its ``RolloutConfig``) as an untyped DictConfig with the same keys and values: the
+    server reads it as it would verl's (``config.prompt_length``, ``config.get("custom")``), and its process
+    unpickles it without importing verl, seconds of CPU at a run's start. A config that does not convert (a
+    value OmegaConf cannot hold) goes as verl's class, as before."""
+    if not dataclasses.is_dataclass(rollout_config) or isinstance(rollout_config, type):
+        return rollout_config
+    try:
+        return OmegaConf.create(dataclasses.asdict(rollout_config))
+    except Exception:  # only slower: the server's process imports verl to unpickle verl's class
+        return rollout_config
 
 
 @dataclass
@@ -338,19 +168,3 @@ class BackendRolloutReplica(RemoteRolloutReplica):
         name = read_handoff(config).backend
         # Not an instance of this class, so Python does not call __init__ on it again.
         return load_rollout_class(name)(*args, **kwargs)
-
-
-def _stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
-    """The model's EOS ids: the tokenizer's, and the generation config's when it has more."""
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
-    return sorted(ids)

@@ -77,6 +77,44 @@ SEAMS: tuple[Seam, ...] = (
         "each replica's servers learn the weights version",
         set_in=f"{_TRAINER}._setup",
     ),
+    Seam(f"{_TRAINER}.get_llm_client", "the client verl's agent loop samples through (OneServerClient)", ("self",)),
+    Seam(
+        "verl.workers.rollout.llm_server:LLMServerManager.get_client",
+        "OneServerClient with the run's servers",
+        ("self", "client_cls"),
+    ),
+    Seam(
+        "verl.workers.rollout.llm_server:LLMServerManager.server_handles",
+        "the servers OneServerClient routes to",
+        set_in="verl.workers.rollout.llm_server:LLMServerManager._initialize_llm_servers",
+    ),
+    Seam(
+        "verl.workers.rollout.llm_server:LLMServerManager.server_addresses",
+        "the servers' ids, as verl's balancer keys them",
+        set_in="verl.workers.rollout.llm_server:LLMServerManager._initialize_llm_servers",
+    ),
+    Seam(
+        "verl.workers.rollout.router:GlobalRequestLoadBalancer",
+        "RunBalancer hands every call to it once a run has more than one rollout server",
+        ("servers",),
+    ),
+    # The client (integration/client.py): OneServerClient subclasses verl's.
+    Seam("verl.workers.rollout.llm_server:LLMServerClient", "OneServerClient's base"),
+    Seam(
+        "verl.workers.rollout.llm_server:LLMServerClient.__init__",
+        "the config and the balancer's handle",
+        ("self", "config", "load_balancer_handle"),
+    ),
+    Seam(
+        "verl.workers.rollout.llm_server:LLMServerClient._acquire_server",
+        "the one server, without the balancer's call",
+        ("self", "request_id"),
+    ),
+    Seam(
+        "verl.workers.rollout.llm_server:LLMServerClient._release_server",
+        "no call to the balancer when it was not asked",
+        ("self", "server_id", "request_id"),
+    ),
     Seam(f"{_TRAINER}.role_worker_mapping", "the forwarder per role", set_in=f"{_TRAINER}._init_resource_pool_mgr"),
     Seam(f"{_TRAINER}.resource_pool_manager", "its pool spec", set_in=f"{_TRAINER}._init_resource_pool_mgr"),
     Seam(f"{_TRAINER}.mapping", "roles to pools", set_in=f"{_TRAINER}._init_resource_pool_mgr"),

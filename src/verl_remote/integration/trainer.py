@@ -62,6 +62,8 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_remote.discovery.registry import load_backend_class, load_worker_class
 from verl_remote.integration import names
+from verl_remote.integration.balancer import use_run_balancer
+from verl_remote.integration.client import OneServerClient
 from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 from verl_remote.integration.old_log_probs import OldLogProbs, max_difference, old_log_probs_problem
@@ -267,6 +269,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         self.background_sync = self.overlap and self._background_sync_asked(config, backend_class)
         self._sync: Future[float] | None = None
         self._syncer: ThreadPoolExecutor | None = None
+        use_run_balancer(config)  # under verl's own launcher; verl-remote train's TaskRunner named it already
         start = _BACKEND_START.get()
         self.backend: RemoteBackend = start.take() if start is not None else backend_class.from_config(config)
         try:
@@ -308,6 +311,12 @@ class RemotePPOTrainer(PPOTrainerSync):
         if hasattr(buffer, "poll_interval"):
             buffer.poll_interval = min(float(buffer.poll_interval), self.replay_poll_s)
         return buffer
+
+    def get_llm_client(self) -> Any:
+        """verl's client; a run with one rollout server sends each request straight to it (OneServerClient)."""
+        manager = self.llm_server_manager
+        servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
+        return manager.get_client(client_cls=OneServerClient, servers=servers)
 
     def init(self) -> None:
         try:
@@ -601,6 +610,7 @@ class RemoteTaskRunner(TaskRunnerV1.__ray_actor_class__):
         restarts = names.RESTARTS.set(self.restarts)
         start = _BACKEND_START.set(None)
         self._start: BackendStart | None = None
+        use_run_balancer(config)  # before the backend's start copies the rollout config
         try:
             self._start = BackendStart(config)  # beside verl's start-up, which begins in super().run
             _BACKEND_START.set(self._start)

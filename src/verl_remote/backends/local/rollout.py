@@ -1,21 +1,13 @@
-"""The local backend's rollout replica: each request is sampled by the engine actor."""
+"""The local backend's rollout replica; its server is :mod:`verl_remote.backends.local.server`."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from verl_remote import RemoteRolloutReplica, RemoteRolloutServer, SampleResult, SamplingParams
-from verl_remote.backends.local.backend import LocalBackend
+from verl_remote import RemoteRolloutReplica, RemoteRolloutServer
+from verl_remote.backends.local.server import LocalRolloutServer
 
 __all__ = ["LocalRolloutReplica", "LocalRolloutServer"]
-
-
-class LocalRolloutServer(RemoteRolloutServer):
-    backend: LocalBackend
-
-    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        result = await self.backend.generate(prompt_ids, params)
-        return SampleResult(result.token_ids, result.log_probs, result.stop_reason)
 
 
 class LocalRolloutReplica(RemoteRolloutReplica):

@@ -11,15 +11,13 @@ from verl_remote import (
     RemoteBackend,
     RemoteForwarderWorker,
     RemoteRolloutReplica,
-    RemoteRolloutServer,
-    SampleResult,
-    SamplingParams,
     as_dict,
     pack,
     pack_fields,
     resources,
     unpack_like,
 )
+from verl_remote_bigram.server import BigramServer
 from verl_remote_bigram.service import BigramService
 
 FIELDS = ("input_ids", "prompts", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_prob")
@@ -80,16 +78,6 @@ class BigramWorker(RemoteForwarderWorker):
 
     def backend_flops(self, seqlens: list[int]) -> float:
         return self.backend.service.call("flops", seqlens)
-
-
-class BigramServer(RemoteRolloutServer):
-    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
-        if params.top_p < 1.0 or params.top_k > 0:
-            raise ValueError("the bigram example samples the full distribution: set rollout top_p=1 and top_k=-1")
-        tokens, log_probs = await self.backend.service.call_async(
-            "sample", prompt_ids, params.max_tokens, params.temperature, list(params.stop_token_ids)
-        )
-        return SampleResult(tokens, log_probs)
 
 
 class BigramReplica(RemoteRolloutReplica):

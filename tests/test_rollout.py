@@ -1,7 +1,12 @@
-"""The rollout replica's sampling contract, enforced once for every backend (verl_remote.integration.rollout)."""
+"""The rollout replica and server: the sampling contract, enforced once for every backend, and what crosses into the
+server's process (verl_remote.integration.rollout, .server)."""
 
 from __future__ import annotations
 
+import pickle
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,3 +78,45 @@ def test_the_rollout_server_started_ahead_is_the_replicas_only_when_verl_gives_t
     rollout.discard_server_ahead()
     assert [name.rsplit(".", 1)[-1] for name in live_actors(grace_s=5)] == ["Engine"]
     ray_instance.kill(engine)
+
+
+def test_the_server_gets_verls_rollout_config_as_plain_values_and_sends_verls_token_output_without_importing_verl(
+    tmp_path: Path,
+) -> None:
+    """What crosses into the rollout server's process and back needs no verl there (integration/server.py)."""
+    from omegaconf import DictConfig
+
+    from verl_remote.backends.local.rollout import LocalRolloutReplica
+    from verl_remote.discovery.compose import compose_config
+    from verl_remote.integration import rollout
+    from verl_remote.integration.handoff import attach
+    from verl_remote.integration.handoff import read as read_handoff
+    from verl_remote.integration.server import TokenOutputOnArrival
+
+    config = compose_config(["remote_backend=local"], recipe="demo")
+    handle = {"actor": "engine", "namespace": "run", "more": {"ids": [1, 2]}}
+    attach(config, "local", handle)
+    replica = LocalRolloutReplica(
+        replica_rank=0, config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model
+    )
+    assert type(replica.config).__name__ == "RolloutConfig"  # verl's class, as verl builds the replica
+    plain = rollout._plain(replica.config)
+    assert isinstance(plain, DictConfig)
+    for key in ("prompt_length", "response_length", "max_model_len", "temperature", "calculate_log_probs"):
+        assert plain[key] == getattr(replica.config, key), key
+    assert read_handoff(plain).handle == read_handoff(replica.config).handle == handle
+    pickled = tmp_path / "config.pkl"
+    pickled.write_bytes(pickle.dumps(plain))
+    code = (
+        f"import pickle, sys; c = pickle.loads(open({str(pickled)!r}, 'rb').read()); "
+        "print(c.prompt_length, 'verl' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == [str(replica.config.prompt_length), "False"], out.stderr[-2000:]
+
+    sent = TokenOutputOnArrival(
+        token_ids=[5, 2], log_probs=[-0.5, -0.25], stop_reason="completed", extra_fields={"global_steps": 3}
+    )
+    arrived = pickle.loads(pickle.dumps(sent))  # as Ray sends it to verl's agent loop
+    assert type(arrived).__module__ == "verl.workers.rollout.replica" and type(arrived).__name__ == "TokenOutput"
+    assert (arrived.token_ids, arrived.log_probs, arrived.extra_fields) == ([5, 2], [-0.5, -0.25], {"global_steps": 3})

@@ -174,6 +174,11 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
     # TransferQueue's thread count is the machine's physical cores (TQ_NUM_THREADS, set by the CLI): no warning at
     # every put and get that it capped its default of 8 to them.
     assert "should not exceed total physical CPU cores" not in log
+    # verl's request balancer is verl-remote's (its router plugin: a process without verl), as verl's printed config
+    # shows (integration/balancer.py).
+    from verl_remote.integration.balancer import BALANCER_CONFIG
+
+    assert f"'router_config_path': '{BALANCER_CONFIG}'" in log
 
 
 def _stop_at(proc: subprocess.Popen[str], marker: str, stop: signal.Signals) -> tuple[int, str]:

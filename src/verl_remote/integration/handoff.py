@@ -64,4 +64,6 @@ def read(rollout_config: Any) -> HandOff:
         )
     shared = OmegaConf.create(str(entry["config"]))
     assert isinstance(shared, DictConfig)
-    return HandOff(str(entry["backend"]), dict(entry["handle"]), shared)
+    handle = entry["handle"]  # plain containers, whichever form of verl's rollout config carried it
+    plain = OmegaConf.to_container(handle, resolve=True) if OmegaConf.is_config(handle) else handle
+    return HandOff(str(entry["backend"]), dict(plain), shared)  # type: ignore[arg-type]

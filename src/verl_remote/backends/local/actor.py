@@ -19,8 +19,7 @@ __all__ = ["LocalEngineActor"]
 
 
 class LocalEngineActor:
-    """Each call is the engine's method of the same name (:class:`LocalEngine` documents them). Ray exposes this
-    class's methods only: a new engine call needs its line here."""
+    """Each call is the engine's method of the same name (:class:`LocalEngine` documents them)."""
 
     def __init__(self, model_path: str, actor_config: dict[str, Any], settings: dict[str, Any]) -> None:
         from verl_remote.backends.local.engine import LocalEngine

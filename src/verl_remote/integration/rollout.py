@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import threading
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from verl_remote.discovery.registry import load_rollout_class
 from verl_remote.integration.handoff import read as read_handoff
-from verl_remote.integration.server import SAMPLE_ATTEMPTS, RemoteRolloutServer, model_stop_token_ids
+from verl_remote.integration.server import SAMPLE_ATTEMPTS, RemoteRolloutServer
 from verl_remote.kit.sampling import SampleResult, SamplingParams
 
 __all__ = [
@@ -68,22 +67,12 @@ class RemoteRolloutReplica(RolloutReplica):
 
 
 def _start_server(replica: RemoteRolloutReplica) -> Any:
-    """The replica's server actor, started (its constructor runs in the background), with the model's EOS ids read
-    here: this process has transformers imported, the server's needs not (a server class whose ``__init__`` takes
-    no ``stop_token_ids`` reads them itself)."""
-    extra = {}
-    if _takes(replica.server_class.__init__, "stop_token_ids"):
-        extra["stop_token_ids"] = model_stop_token_ids(replica.model_config)
+    """The replica's server actor, started (its constructor runs in the background)."""
     return (
         ray.remote(replica.server_class)
         .options(num_cpus=0, max_concurrency=replica.max_concurrency)
-        .remote(_plain(replica.config), replica.model_config, replica.replica_rank, **extra)
+        .remote(_plain(replica.config), replica.model_config, replica.replica_rank)
     )
-
-
-def _takes(function: Any, name: str) -> bool:
-    parameters = inspect.signature(function).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _plain(rollout_config: Any) -> Any:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from typing import Any
@@ -65,11 +64,8 @@ class RemoteRolloutServer:
         adapt_old_sample(cls)  # sample(prompt_ids, max_tokens, sampling_params), as before 0.1.0: warns, adapted
         check_overrides(cls, RemoteRolloutServer, ("sample",))  # one that does not fit fails here, not in a step
 
-    def __init__(
-        self, rollout_config: Any, model_config: Any, replica_rank: int, stop_token_ids: list[int] | None = None
-    ) -> None:
+    def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
         self.config = rollout_config
-        self.model_config = model_config
         self.replica_rank = replica_rank
         handoff = read_handoff(rollout_config)
         self.backend: RemoteBackend = load_backend_class(handoff.backend).from_config(
@@ -81,19 +77,10 @@ class RemoteRolloutServer:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        # The model's EOS ids, as the replica that starts this server read them (its process has transformers
-        # imported; this one needs not: seconds of CPU at a run's start), or read here.
-        self.stop_token_ids = (
-            [int(t) for t in stop_token_ids] if stop_token_ids is not None else model_stop_token_ids(model_config)
-        )
-
-    @functools.cached_property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer, loaded the first time it is used (a server that uses it for every request loads
-        it in its ``__init__``: importing transformers is seconds of CPU)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.model_config.path))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_config.path))
+        self.stop_token_ids = _stop_token_ids(self.tokenizer, str(model_config.path))
 
     async def ready(self) -> bool:
         return True
@@ -230,12 +217,10 @@ class RemoteRolloutServer:
     async def stop_profile(self) -> None: ...
 
 
-def model_stop_token_ids(model_config: Any) -> list[int]:
-    """The model's EOS ids (``model_config.path``): its tokenizer's, and its generation config's when it has more."""
-    from transformers import AutoTokenizer, GenerationConfig
+def _stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
+    """The model's EOS ids: the tokenizer's, and the generation config's when it has more."""
+    from transformers import GenerationConfig
 
-    model_path = str(model_config.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id

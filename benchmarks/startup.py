@@ -96,7 +96,9 @@ def _watch(root: psutil.Process, run: Run, began: float, done: threading.Event) 
             seen = run.processes.setdefault(proc.pid, Seen(now, name))
             if name not in ("ray::IDLE", "ray::(starting)"):
                 seen.name = name
-            seen.cpu = times.user + times.system + times.children_user + times.children_system
+            # Its own CPU only: its children are watched themselves (the driver's include Ray's head processes,
+            # whose CPU a process's children_* times would count again once they end).
+            seen.cpu = times.user + times.system
             if run.raylet_at is None and name == "ray (raylet)":
                 run.raylet_at = now
         done.wait(SAMPLE_S)

@@ -102,6 +102,8 @@ def test_a_run_with_one_server_samples_without_the_balancer_and_one_with_two_thr
         "verl_remote.integration.balancer",
         "verl_remote.integration.server",
         "verl_remote.backends.local.server",
+        "verl_remote.backends.local.backend",  # the local server's backend, and its engine actor's class
+        "verl_remote.backends.local.actor",
         "verl_arctic.server",
         "verl_remote_tinker.server",
     ],

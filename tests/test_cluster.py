@@ -158,7 +158,7 @@ def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_
     placed = {(a["class_name"], a["node_id"]) for a in cluster.listed("actors") if a["class_name"] != "JobSupervisor"}
     classes = {name for name, _ in placed}
     # FaultyServer: the rollout server. The TaskRunner runs in the entrypoint's process (on the head), no actor.
-    assert {"LocalEngine", "FaultyServer"} <= classes and "RemoteTaskRunner" not in classes, classes
+    assert {"LocalEngineActor", "FaultyServer"} <= classes and "RemoteTaskRunner" not in classes, classes
     assert any("WorkerDict" in name for name in classes), classes  # verl's forwarder workers
     # What reserves CPUs (verl's forwarders, the engine) runs on the worker nodes; a rollout server
     # reserves none, so Ray may put it on the head too.

@@ -3,6 +3,7 @@ server's process (verl_remote.integration.rollout, .server)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -10,10 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
 from conftest import live_actors
 from verl_remote import SampleResult, SamplingParams
 from verl_remote.kit.sampling import within_contract
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # what runs in the server's process, below
+
+
+def _heavy_modules(server: Any) -> list[str]:
+    return sorted(module for module in ("verl", "torch", "transformers") if module in sys.modules)
+
+
+def _stop_token_ids(server: Any) -> list[int]:
+    return list(server.stop_token_ids)
 
 
 def test_an_agent_loops_stop_ids_add_to_the_models_eos_and_end_the_response_after_the_first() -> None:
@@ -65,6 +77,11 @@ def test_the_rollout_server_started_ahead_is_the_replicas_only_when_verl_gives_t
     server = rollout._take_server_ahead(replica())
     assert server is not None and rollout._take_server_ahead(replica()) is None  # taken once
     assert ray_instance.get(server.ready.remote()) is True
+    # Its process imports neither verl, torch nor transformers, and has the model's EOS ids as transformers has them.
+    assert ray_instance.get(server.__ray_call__.remote(_heavy_modules)) == []
+    assert ray_instance.get(server.__ray_call__.remote(_stop_token_ids)) == _eos_by_transformers(
+        str(config.actor_rollout_ref.model.path)
+    )
     ray_instance.kill(server)
 
     # Other settings: the replica starts its own, and the one started ahead is stopped.
@@ -120,3 +137,51 @@ def test_the_server_gets_verls_rollout_config_as_plain_values_and_sends_verls_to
     arrived = pickle.loads(pickle.dumps(sent))  # as Ray sends it to verl's agent loop
     assert type(arrived).__module__ == "verl.workers.rollout.replica" and type(arrived).__name__ == "TokenOutput"
     assert (arrived.token_ids, arrived.log_probs, arrived.extra_fields) == ([5, 2], [-0.5, -0.25], {"global_steps": 3})
+
+
+def _eos_by_transformers(model_path: str) -> list[int]:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids = {AutoTokenizer.from_pretrained(model_path).eos_token_id}
+    try:
+        generation = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        generation = None
+    ids.update([generation] if isinstance(generation, int) else generation or [])
+    return sorted(ids - {None})
+
+
+def test_the_servers_eos_ids_are_transformers_whether_read_from_the_folder_or_through_transformers(
+    tmp_path: Path,
+) -> None:
+    """The server reads the model's EOS ids from its folder where the files say them plainly (no transformers in
+    its process); where they do not, through transformers. Either way the ids are transformers' own."""
+    import shutil
+
+    from verl_remote.demo import assets
+    from verl_remote.integration import server
+
+    demo = assets.ensure_demo_assets().model_path
+    cases = {"demo": demo}
+    listed = tmp_path / "list"  # a generation config with more than one EOS id, the tokenizer's among them
+    shutil.copytree(demo, listed)
+    generation = json.loads((listed / "generation_config.json").read_text())
+    (listed / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [1, 2, 3]}))
+    cases["list"] = listed
+    renamed = tmp_path / "renamed"  # an AddedToken dict, no generation config
+    shutil.copytree(demo, renamed)
+    (renamed / "generation_config.json").unlink()
+    tokenizer_config = json.loads((renamed / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = {"content": "<unk>", "special": True, "__type": "AddedToken"}
+    (renamed / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    cases["renamed"] = renamed
+    mapped = tmp_path / "mapped"  # a special_tokens_map.json, which transformers reads over the config: theirs
+    shutil.copytree(demo, mapped)
+    (mapped / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<pad>"}))
+    cases["mapped"] = mapped
+
+    found = {name: server.model_stop_token_ids(str(path)) for name, path in cases.items()}
+    assert found == {name: _eos_by_transformers(str(path)) for name, path in cases.items()}
+    assert len(found["list"]) == 3 and found["renamed"] != found["demo"]  # the cases differ where they should
+    assert server._fast_tokenizer_eos_id(mapped) is None  # asked of transformers, not read
+    assert server._fast_tokenizer_eos_id(demo) == found["demo"][0]

@@ -45,6 +45,10 @@ def sampled_log_probs(result: dict[str, Any], tokens: list[int], url: str) -> li
 class ArcticRolloutServer(RemoteRolloutServer):
     backend: ArcticBackend
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _ = self.tokenizer  # each request decodes its prompt: loaded as the server starts, not at its first request
+
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         # Arctic's /generate takes text: the prompt goes back through the tokenizer, special tokens kept. Its
         # sampling parameters are vLLM's: the stop ids (the model's EOS and any an agent loop adds) end a response.

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from verl_remote.discovery.registry import load_backend_class
@@ -66,6 +69,7 @@ class RemoteRolloutServer:
 
     def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
         self.config = rollout_config
+        self.model_config = model_config
         self.replica_rank = replica_rank
         handoff = read_handoff(rollout_config)
         self.backend: RemoteBackend = load_backend_class(handoff.backend).from_config(
@@ -77,10 +81,15 @@ class RemoteRolloutServer:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.stop_token_ids = model_stop_token_ids(str(model_config.path))
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded the first time it is used (a server that uses it for every request loads
+        it in its ``__init__``: importing transformers is seconds of CPU)."""
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_config.path))
-        self.stop_token_ids = _stop_token_ids(self.tokenizer, str(model_config.path))
+        return AutoTokenizer.from_pretrained(str(self.model_config.path))
 
     async def ready(self) -> bool:
         return True
@@ -217,20 +226,57 @@ class RemoteRolloutServer:
     async def stop_profile(self) -> None: ...
 
 
-def _stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
-    """The model's EOS ids: the tokenizer's, and the generation config's when it has more."""
+def model_stop_token_ids(model_path: str) -> list[int]:
+    """The model's EOS ids: its tokenizer's, and its generation config's when it has more.
+
+    Read from the model's folder with the ``tokenizers`` library where the folder has a fast tokenizer whose config
+    names its EOS token (milliseconds); otherwise (a hub name, a slow tokenizer, a ``special_tokens_map.json``) from
+    transformers' tokenizer, which imports torch and transformers: seconds of CPU at a run's start."""
+    folder = Path(model_path)
+    eos = _fast_tokenizer_eos_id(folder) if folder.is_dir() else None
+    if eos is None:
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
+    ids = {eos} if eos is not None else set()
+    generation = _generation_eos(folder, model_path)
+    if isinstance(generation, int):
+        ids.add(generation)
+    elif generation:
+        ids.update(generation)
+    return sorted(int(i) for i in ids)
+
+
+def _fast_tokenizer_eos_id(folder: Path) -> int | None:
+    """The EOS token's id as transformers' tokenizer of this folder has it, where the folder says it plainly:
+    ``tokenizer_config.json`` names the token and ``tokenizer.json`` has it (a ``special_tokens_map.json`` may
+    rename it: None then, and the caller asks transformers)."""
+    config_file, tokenizer_file = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not (config_file.is_file() and tokenizer_file.is_file()) or (folder / "special_tokens_map.json").exists():
+        return None
+    token = json.loads(config_file.read_text()).get("eos_token")
+    if isinstance(token, dict):  # an AddedToken as transformers writes it
+        token = token.get("content")
+    if not isinstance(token, str) or not token:
+        return None
+    from tokenizers import Tokenizer
+
+    found = Tokenizer.from_file(str(tokenizer_file)).token_to_id(token)
+    return None if found is None else int(found)
+
+
+def _generation_eos(folder: Path, model_path: str) -> Any:
+    """``eos_token_id`` of the model's generation config (an id, a list of ids or None), as transformers'
+    ``GenerationConfig.from_pretrained`` reads it: ``generation_config.json``, none where the model has none."""
+    if folder.is_dir():
+        file = folder / "generation_config.json"
+        return json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
     from transformers import GenerationConfig
 
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        return GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
-        eos = None
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
-    return sorted(ids)
+        return None
 
 
 class TokenOutputOnArrival:

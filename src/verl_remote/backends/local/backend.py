@@ -1,4 +1,9 @@
-"""``LocalBackend``: the RemoteBackend contract over one Ray actor running :class:`LocalEngine`."""
+"""``LocalBackend``: the RemoteBackend contract over one Ray actor running :class:`LocalEngine`.
+
+Neither this module nor the actor's class (:mod:`~verl_remote.backends.local.actor`) imports the engine's module
+(torch): the rollout server's process holds a ``LocalBackend`` too, and needs no torch to send it requests. The
+engine's module is imported where a checkpoint is exported and in the engine's own process.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ import ray
 from omegaconf import OmegaConf
 
 from verl_remote import Packed, RayService, RemoteBackend, SamplingParams, overlapped, resources
-from verl_remote.backends.local.engine import GenerateResult, LocalEngine, SampleRequest, export_checkpoint
+from verl_remote.backends.local.actor import LocalEngineActor
+from verl_remote.backends.local.requests import GenerateResult, SampleRequest
 from verl_remote.backends.local.vllm_sampler import resolve_sampler, vllm_model_problem
 
 __all__ = ["LocalBackend"]
@@ -89,7 +95,7 @@ class LocalBackend(RemoteBackend):
             )
         actor_config = OmegaConf.to_container(main_config.actor_rollout_ref.actor, resolve=True)
         service = RayService.start(
-            LocalEngine,
+            LocalEngineActor,
             str(main_config.actor_rollout_ref.model.path),
             actor_config,
             settings,
@@ -107,6 +113,8 @@ class LocalBackend(RemoteBackend):
                 "the local backend trains every weight of the model (no LoRA): there is no adapter to export; "
                 "leave out --adapter"
             )
+        from verl_remote.backends.local.engine import export_checkpoint
+
         model = main_config.actor_rollout_ref.model
         export_checkpoint(
             str(model.path),

@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verl_remote import Packed, SamplingParams, sample_token, to_nested
+from verl_remote import Packed, sample_token, to_nested
+from verl_remote.backends.local.requests import GenerateResult, SampleRequest
 
 if TYPE_CHECKING:
     from verl_remote.backends.local.vllm_sampler import VllmSampler
@@ -38,22 +38,6 @@ log = logging.getLogger(__name__)
 __all__ = ["GenerateResult", "LocalEngine", "SampleRequest", "next_token_log_probs", "sample_token"]
 
 CHECKPOINT_FILE = "local_engine.pt"
-
-
-@dataclass
-class SampleRequest:
-    """One prompt to sample a response for, with verl's sampling parameters for it, as the replica parsed them."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class GenerateResult:
-    token_ids: list[int]
-    log_probs: list[float] | None
-    stop_reason: str  # "completed" (EOS or length) or "aborted"
-    weights_version: int
 
 
 def _resolve_device(device: str) -> torch.device:

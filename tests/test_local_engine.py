@@ -118,3 +118,19 @@ def test_an_engine_error_fails_every_request_of_its_batch() -> None:
 
     outcomes = asyncio.run(step())
     assert len(outcomes) == 6 and all(isinstance(o, RuntimeError) and str(o) == "engine died" for o in outcomes)
+
+
+def test_the_engines_actor_answers_every_call_of_the_engine() -> None:
+    """The engine runs in Ray as ``LocalEngineActor``, a thin class that imports no torch and hands each call to
+    the engine: an engine method without its line there would fail only when a run calls it."""
+    import inspect
+
+    from verl_remote.backends.local.actor import LocalEngineActor
+
+    def calls(cls: type) -> set[str]:
+        return {name for name, member in vars(cls).items() if inspect.isfunction(member) and not name.startswith("_")}
+
+    assert calls(LocalEngine) == calls(LocalEngineActor)
+    for name in calls(LocalEngine):
+        engine_parameters = list(inspect.signature(getattr(LocalEngine, name)).parameters)
+        assert list(inspect.signature(getattr(LocalEngineActor, name)).parameters) == engine_parameters, name

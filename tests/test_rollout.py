@@ -180,8 +180,17 @@ def test_the_servers_eos_ids_are_transformers_whether_read_from_the_folder_or_th
     (mapped / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<pad>"}))
     cases["mapped"] = mapped
 
-    found = {name: server.model_stop_token_ids(str(path)) for name, path in cases.items()}
+    from transformers import AutoTokenizer
+
+    loaded = []  # the folders whose tokenizer was asked for: those the files do not say plainly
+
+    def tokenizer(path: Path) -> Any:
+        loaded.append(path.name)
+        return AutoTokenizer.from_pretrained(str(path))
+
+    found = {name: server.model_stop_token_ids(str(path), lambda p=path: tokenizer(p)) for name, path in cases.items()}
     assert found == {name: _eos_by_transformers(str(path)) for name, path in cases.items()}
+    assert loaded == ["mapped"]
     assert len(found["list"]) == 3 and found["renamed"] != found["demo"]  # the cases differ where they should
     assert server._fast_tokenizer_eos_id(mapped) is None  # asked of transformers, not read
     assert server._fast_tokenizer_eos_id(demo) == found["demo"][0]

@@ -28,6 +28,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ class RemoteRolloutServer:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self.stop_token_ids = model_stop_token_ids(str(model_config.path))
+        self.stop_token_ids = model_stop_token_ids(str(model_config.path), lambda: self.tokenizer)
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -226,18 +227,17 @@ class RemoteRolloutServer:
     async def stop_profile(self) -> None: ...
 
 
-def model_stop_token_ids(model_path: str) -> list[int]:
+def model_stop_token_ids(model_path: str, tokenizer: Callable[[], Any]) -> list[int]:
     """The model's EOS ids: its tokenizer's, and its generation config's when it has more.
 
     Read from the model's folder with the ``tokenizers`` library where the folder has a fast tokenizer whose config
     names its EOS token (milliseconds); otherwise (a hub name, a slow tokenizer, a ``special_tokens_map.json``) from
-    transformers' tokenizer, which imports torch and transformers: seconds of CPU at a run's start."""
+    ``tokenizer()``, transformers' tokenizer of the model (the server's own, loaded once: importing torch and
+    transformers is seconds of CPU at a run's start)."""
     folder = Path(model_path)
     eos = _fast_tokenizer_eos_id(folder) if folder.is_dir() else None
     if eos is None:
-        from transformers import AutoTokenizer
-
-        eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
+        eos = tokenizer().eos_token_id
     ids = {eos} if eos is not None else set()
     generation = _generation_eos(folder, model_path)
     if isinstance(generation, int):

@@ -24,7 +24,7 @@ from typing import Any
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
 from verl_arctic.export import export_step
 from verl_arctic.jobs import create_job, job_configs
-from verl_arctic.launch import launch_argv, launch_server, require_free_port
+from verl_arctic.launch import launch_argv, launch_server, require_free_port, stop_server
 from verl_arctic.record import JOBS_FILE, POINTER_FILE, RUN_DIR_PREFIX, clean_up_after_a_dead_run
 from verl_arctic.settings import ArcticSettings, check_server_size
 from verl_remote import RemoteBackend, as_dict, resumes_from_checkpoint, token_in_clear
@@ -89,12 +89,12 @@ class ArcticBackend(RemoteBackend):
         arctic = ArcticSettings.of(main_config)
         server = None
         if arctic.launch:
-            server = launch_server(arctic.launch, arctic.url, arctic.startup_timeout)
+            server = launch_server(arctic.launch, arctic.url, arctic.startup_timeout, arctic.launch_env)
         try:
             client = arctic.client(arctic.api)
         except BaseException:
             if server is not None:
-                server.terminate()
+                stop_server(server)
             raise
         backend = cls(client, {}, settings, server)
         backend.record = os.path.join(str(main_config.trainer.default_local_dir), JOBS_FILE)
@@ -203,6 +203,9 @@ class ArcticBackend(RemoteBackend):
     #: a time: arctic-platform 0.1.4 common/deepspeed_worker.py:110-111).
     background_weight_sync = True
 
+    #: The command that starts the service: never run from a run's record (``verl-remote export``), only when named.
+    program_settings = ("comms.launch",)
+
     @classmethod
     def cannot_overlap(cls, main_config: Any) -> str | None:
         # Colocated engines take turns on the GPUs: the sampler sleeps while the trainer runs (ArcticRolloutServer).
@@ -287,11 +290,7 @@ class ArcticBackend(RemoteBackend):
                 os.unlink(self.record)
         self.client.close()
         if self.server is not None:
-            self.server.terminate()
-            try:
-                await asyncio.to_thread(self.server.wait, 60)
-            except subprocess.TimeoutExpired:
-                self.server.kill()
+            await asyncio.to_thread(stop_server, self.server)
 
     # -- compute, used by this backend's worker and rollout server ---------------------------------
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
 from verl_arctic.jobs import create_job, job_configs
-from verl_arctic.launch import launch_server
+from verl_arctic.launch import launch_server, stop_server
 from verl_arctic.record import JOBS_FILE, POINTER_FILE, RUN_DIR_PREFIX
 from verl_arctic.settings import ArcticSettings, check_server_size
 from verl_remote import as_dict
@@ -50,7 +50,7 @@ def export_step(main_config: Any, step: int, path: str, out: str) -> None:
     server = None
     if arctic.launch and not _answers(arctic):  # the run launched its server, which ended with it
         print(f"verl-arctic: starting the Arctic server (remote_backend.comms.launch: {arctic.launch})", flush=True)
-        server = launch_server(arctic.launch, arctic.url, arctic.startup_timeout)
+        server = launch_server(arctic.launch, arctic.url, arctic.startup_timeout, arctic.launch_env)
     try:
         if server is None:
             _reachable(arctic)
@@ -63,8 +63,7 @@ def export_step(main_config: Any, step: int, path: str, out: str) -> None:
             client.close()
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(60)
+            stop_server(server)
 
 
 def _pointer(path: str) -> dict[str, Any]:

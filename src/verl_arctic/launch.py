@@ -1,10 +1,16 @@
 """Launching the Arctic service a recipe names in ``remote_backend.comms.launch``: the port checked free, the
-command started (under this interpreter when it says ``python``), its stderr relayed to the run's log, and the
-wait until it answers ``/health``."""
+command started (under this interpreter when it says ``python``) in a process group of its own and with the
+environment it needs (this process's, less the credentials of the user's shell: ``comms.launch_env`` names those
+it needs), its stderr relayed to the run's log, the wait until it answers ``/health``, and its end with the whole
+group (:func:`stop_server`: a shell script's children too).
+
+Only a command the user gave starts: a run's recorded settings (``verl-remote export`` reads them from the run
+folder) never do (``ArcticBackend.program_settings``)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shlex
 import shutil
@@ -13,11 +19,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 
-__all__ = ["launch_argv", "launch_server", "require_free_port"]
+from verl_remote import service_environment
+
+__all__ = ["launch_argv", "launch_server", "require_free_port", "stop_server"]
+
+#: How long a launched service has to end after SIGTERM before its group gets SIGKILL.
+STOP_GRACE_S = 30.0
 
 
 def require_free_port(url: str) -> None:
@@ -98,15 +110,54 @@ def launch_argv(command: str) -> list[str]:
     return argv
 
 
-def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[bytes]:
+def stop_server(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """End a service :func:`launch_server` started, with every process of its group (what a shell script or a
+    server's workers started): SIGTERM, and SIGKILL to what is left after ``grace_s``. Idempotent."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signum)  # the group is the service's own (start_new_session): its pgid is its pid
+        if signum == signal.SIGKILL:
+            break
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if not _group_alive(proc.pid):
+            return
+        deadline = time.monotonic() + grace_s  # the leader ended; give what it started the same grace
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            time.sleep(0.1)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def launch_server(command: str, url: str, timeout: float, keep_env: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """Start the Arctic service with ``command`` and wait until ``url``/health answers.
 
     The port must be free first: otherwise the launched service cannot listen and whatever already does
-    would answer in its place.
+    would answer in its place. The service runs in a session and process group of its own (a Ctrl-C to the run
+    does not reach it: the run stops it, with :func:`stop_server`), with this process's environment less the
+    variables whose names look like credentials, but for ``keep_env``.
     """
     require_free_port(url)
     argv = launch_argv(command)
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        argv,
+        stderr=subprocess.PIPE,
+        preexec_fn=_die_with_parent,
+        start_new_session=True,
+        env=service_environment(keep_env),
+    )
     tail = _relay_stderr(proc)
     deadline = time.monotonic() + timeout
     while True:
@@ -126,7 +177,7 @@ def launch_server(command: str, url: str, timeout: float) -> subprocess.Popen[by
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            proc.terminate()
+            stop_server(proc)
             raise TimeoutError(
                 f"the Arctic server started with {command!r} was not healthy at {url} after {timeout:.0f}s"
             )

@@ -26,6 +26,7 @@ class ArcticSettings:
     read_timeout: float
     retries: int
     launch: str | None
+    launch_env: tuple[str, ...]
     startup_timeout: float
     job_ready_timeout: float
 
@@ -59,6 +60,7 @@ class ArcticSettings:
             read_timeout=float(comms.get("read_timeout_s", 1800)),
             retries=int(comms.get("retries", 3)),
             launch=str(comms["launch"]) if comms.get("launch") else None,
+            launch_env=_names("remote_backend.comms.launch_env", comms.get("launch_env")),
             startup_timeout=float(comms.get("startup_timeout_s", 300)),
             job_ready_timeout=float(comms.get("job_ready_timeout_s", 1800)),
         )
@@ -77,6 +79,19 @@ class ArcticSettings:
             read_timeout=self.read_timeout,
             retries=self.retries if retries is None else retries,
         )
+
+
+def _names(key: str, value: Any) -> tuple[str, ...]:
+    """A list of environment variable names (``comms.launch_env``), or ``ValueError`` naming ``key``."""
+    if value is None:
+        return ()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.isidentifier() for n in names):
+        raise ValueError(
+            f"{key}={value!r}: a list of environment variable names, e.g. {key}=[HF_TOKEN], for the credentials "
+            "the launched service needs"
+        )
+    return tuple(names)
 
 
 def check_server_size(client: ArcticClient, settings: dict[str, Any]) -> None:

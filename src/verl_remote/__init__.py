@@ -50,6 +50,7 @@ _EXPORTS = {
     "redacted": "verl_remote.kit.urls",
     "service_url": "verl_remote.kit.urls",
     "token_in_clear": "verl_remote.kit.urls",
+    "service_environment": "verl_remote.kit.secrets",
     # tensors on the wire
     "Packed": "verl_remote.kit.payload",
     "pack": "verl_remote.kit.payload",
@@ -109,6 +110,7 @@ __all__ = [  # the stable names: docs/backend-author-guide.md, "What is stable"
     "response_values",
     "resumes_from_checkpoint",
     "sample_token",
+    "service_environment",
     "service_url",
     "to_nested",
     "token_in_clear",
@@ -145,6 +147,7 @@ if TYPE_CHECKING:
     from verl_remote.kit.faults import is_transient, transient_status
     from verl_remote.kit.payload import Packed, pack, pack_fields, to_nested, unpack_like
     from verl_remote.kit.sampling import SampleResult, SamplingParams
+    from verl_remote.kit.secrets import service_environment
     from verl_remote.kit.service import RayService, ServiceStartError, resources
     from verl_remote.kit.spec import BackendSpec, SpecError
     from verl_remote.kit.urls import read_token, redacted, service_url, token_in_clear

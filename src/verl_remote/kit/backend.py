@@ -155,6 +155,13 @@ class RemoteBackend(abc.ABC):
     #: call's latency then costs a step nothing beyond the log-probs'.
     background_weight_sync: ClassVar[bool] = False
 
+    #: The settings under ``remote_backend`` that name a program to start (a command that launches the service:
+    #: verl-arctic's ``("comms.launch",)``). A run folder is data, never code: what reads a run's record
+    #: (``verl-remote export``) clears these in the recorded config, so a record planted in a shared folder never
+    #: starts its program; the user names the program on the command line to have it started. Declare every such
+    #: setting: one left out would run from any folder its record is read from.
+    program_settings: ClassVar[tuple[str, ...]] = ()
+
     @abc.abstractmethod
     async def update_weights(self) -> None:
         """Make the sampler use the weights the trainer just updated. In an overlapped run

@@ -7,17 +7,23 @@ backend's :meth:`~verl_remote.RemoteBackend.export` writes the weights of one st
 the output, which is moved into place once it holds a model: an export cut short never looks complete. What
 cannot be exported is refused in one line before any weight is read: no record, no such step, an output
 folder that is not empty, a backend that does not export.
+
+A run folder is data: the record's settings that start a program (the backend's
+:attr:`~verl_remote.RemoteBackend.program_settings`, such as the command that launched its service) are cleared
+before the backend sees the record, unless the user names them on the command line, so a record planted in a
+shared folder runs nothing.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import shlex
 import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +51,8 @@ class ExportPlan:
     path: str  # the backend's part of the checkpoint: the path its save_checkpoint was given
     out: Path
     adapter: bool
+    #: The recorded settings that start a program, cleared (not named on the command line): setting -> value.
+    withheld: dict[str, str] = field(default_factory=dict)
 
 
 def exports(backend_class: type) -> bool:
@@ -108,14 +116,33 @@ def plan_export(run_dir: str, step: str, out: str, *, adapter: bool, overrides: 
             f"{run_dir}: no {RUN_RECORD} there, so not the folder of a verl-remote run (or of one older than the "
             "record): give the run's trainer.default_local_dir"
         )
+    name = str(config.remote_backend.name)
+    backend = _exporter(name, "")
+    withheld = _withhold_programs(config, backend, overrides)
     _override(config, overrides)
     chosen = _choose_step(folder, step)
     target = Path(os.path.abspath(os.path.expanduser(out)))
     _refuse_in_use(target, f"--out {out}")
-    name = str(config.remote_backend.name)
-    backend = _exporter(name, "")
     part = os.path.join(folder, f"global_step_{chosen}", "actor")
-    return ExportPlan(config, name, backend, chosen, part, target, adapter)
+    return ExportPlan(config, name, backend, chosen, part, target, adapter, withheld)
+
+
+def _withhold_programs(config: Any, backend: type[RemoteBackend], overrides: Sequence[str]) -> dict[str, str]:
+    """Clear the recorded settings that start a program (the backend's ``program_settings``) that the command line
+    does not name; returns what was cleared."""
+    from omegaconf import OmegaConf, open_dict
+
+    named = {said.partition("=")[0] for said in overrides}
+    withheld = {}
+    for setting in backend.program_settings:
+        key = f"remote_backend.{setting}"
+        value = OmegaConf.select(config, key, default=None)
+        if value in (None, "") or key in named:
+            continue
+        withheld[key] = str(value)
+        with open_dict(config):
+            OmegaConf.update(config, key, None, merge=False)
+    return withheld
 
 
 _ABSENT = object()
@@ -149,6 +176,12 @@ def run_export(plan: ExportPlan) -> Path:
     umask = current_umask()
     staging.chmod(0o777 & ~umask)  # a folder like any other the user makes, not mkdtemp's private one
     began = time.monotonic()
+    for key, value in plan.withheld.items():
+        print(
+            f"verl-remote: the run's record names a program to start ({key}: {value}); an export runs no program "
+            f"recorded in a run folder: to have it started, name it: {shlex.quote(f'{key}={value}')}",
+            flush=True,
+        )
     try:
         print(
             f"verl-remote: exporting step {plan.step} of backend '{plan.backend}' to {plan.out}"

@@ -84,16 +84,26 @@ def test_a_second_run_in_the_same_folder_is_refused_and_one_in_another_folder_ru
 
     # Two runs at once in different folders: their own Ray instances, names and ports; neither disturbs the other.
     # The one beside fails: its backend raises in the actor update, so the run fails in the backend's words and
-    # destroys the backend once, while the demo trains on.
+    # destroys the backend once, while the demo trains on. It passes a secret to Ray's workers through the config
+    # (ray_kwargs' runtime environment): the forwarder has it, and neither the run's record nor its log holds it.
     assert first.poll() is None
     calls = tmp_path / "calls.txt"
+    secret = "s3cr3t-for-the-workers-only"
     beside = train(
         tmp_path,
         "remote_backend=faulty",
         "remote_backend.fail_in=forward_backward",
         f"remote_backend.calls_log={calls}",
+        "remote_backend.env_probe=VERL_REMOTE_TEST_API_KEY",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_REMOTE_TEST_API_KEY={secret}",
         "trainer.total_training_steps=2",
     )
+    assert "forward_backward env VERL_REMOTE_TEST_API_KEY set" in faulty_calls(calls)
+    record = (tmp_path / "ckpt" / "verl-remote-run.yaml").read_text()
+    assert "VERL_REMOTE_TEST_API_KEY: '***'" in record and secret not in record
+    logs = list((tmp_path / "ckpt" / "logs").glob("train-*.log"))
+    assert len(logs) == 1 and "'VERL_REMOTE_TEST_API_KEY': '***'" in logs[0].read_text()  # verl's config dump
+    assert secret not in beside.stdout + beside.stderr + logs[0].read_text()
     assert beside.returncode == 1, beside.stderr[-3000:]
     assert (
         "verl-remote train: the run failed: InjectedFailure: faulty backend: injected failure in forward_backward"

@@ -96,6 +96,14 @@ async def aread_capped(response: httpx.Response, cap: int = ANSWER_CAP_BYTES) ->
     return _described(response, bytes(head[:cap]))
 
 
+def _reason(exc: httpx.HTTPError) -> str:
+    """What an HTTP error says, but for a header value httpx refused as it wrote the request: its message quotes the
+    header, which may be the bearer token (a token file with a line break inside), so it is never shown."""
+    if isinstance(exc, httpx.LocalProtocolError):
+        return "the request was not sent: httpx refused a header value (not shown: it may carry the token)"
+    return str(exc)
+
+
 def _get_capped(url: str, *, timeout: float, headers: dict[str, str] | None) -> httpx.Response:
     with httpx.stream("GET", url, timeout=timeout, headers=headers) as response:
         return read_capped(response)
@@ -109,8 +117,8 @@ def probe_health(url: str, *, timeout: float = 10.0, headers: dict[str, str] | N
         response = _get_capped(f"{base}/health", timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         raise ArcticError(
-            f"remote_backend.comms.url={base}: nothing answers there ({exc}); start Arctic's RL server at that "
-            "address, or set remote_backend.comms.url to where it runs (remote_backend.comms.launch starts one "
+            f"remote_backend.comms.url={base}: nothing answers there ({_reason(exc)}); start Arctic's RL server at "
+            "that address, or set remote_backend.comms.url to where it runs (remote_backend.comms.launch starts one "
             "for the run)"
         ) from exc
     if response.status_code in (401, 403):
@@ -141,7 +149,7 @@ def probe_generation(url: str, *, timeout: float = 10.0, headers: dict[str, str]
     try:
         response = _get_capped(f"{base}/forward-backward", timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
-        raise ArcticError(f"cannot reach the Arctic server at {base} to detect its protocol: {exc}") from exc
+        raise ArcticError(f"cannot reach the Arctic server at {base} to detect its protocol: {_reason(exc)}") from exc
     if response.status_code == 405:
         return "main"
     if response.status_code == 404:
@@ -259,10 +267,12 @@ class ArcticClient:
                     else:  # an error's body, read up to a cap: only its first line is shown
                         response = read_capped(streamed)
             except httpx.TimeoutException as exc:
-                error = ArcticError(f"Arctic call {operation} ({spec.method} {url}) timed out: {exc}", transient=True)
+                error = ArcticError(
+                    f"Arctic call {operation} ({spec.method} {url}) timed out: {_reason(exc)}", transient=True
+                )
             except httpx.HTTPError as exc:
                 error = ArcticError(
-                    f"Arctic call {operation} ({spec.method} {url}) failed: cannot reach the server: {exc}",
+                    f"Arctic call {operation} ({spec.method} {url}) failed: cannot reach the server: {_reason(exc)}",
                     transient=isinstance(exc, httpx.TransportError),
                 )
             else:
@@ -288,7 +298,7 @@ class ArcticClient:
                     response = await aread_capped(streamed)
         except httpx.HTTPError as exc:
             # Some of httpx's errors have no message (a connect timeout): name the error then.
-            reason = f"{exc}" or f"{type(exc).__name__} (remote_backend.connect_timeout_s, read_timeout_s)"
+            reason = _reason(exc) or f"{type(exc).__name__} (remote_backend.connect_timeout_s, read_timeout_s)"
             raise ArcticError(
                 f"Arctic call generate ({spec.method} {url}) failed: {reason}",
                 transient=isinstance(exc, httpx.TransportError),

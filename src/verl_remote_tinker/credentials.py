@@ -21,13 +21,18 @@ HOSTED_DOMAINS = ("thinkingmachines.dev",)
 
 def api_key(settings: dict[str, Any]) -> str:
     """The key: ``api_key_file``'s content where it is set, else ``api_key_env``'s variable where it is not empty,
-    else :data:`NO_KEY`. ``ValueError`` naming the setting for a key file missing or empty."""
+    else :data:`NO_KEY`. ``ValueError`` naming the setting for a key file missing or empty, and for a key with
+    whitespace or a character that is not printable ASCII inside it (never showing the key)."""
     if settings.get("api_key_file"):
         token = read_token("remote_backend.api_key_env", None, "remote_backend.api_key_file", settings["api_key_file"])
         assert token is not None
         return token
     name = settings.get("api_key_env")
-    return (os.environ.get(str(name), "").strip() if name else "") or NO_KEY
+    if name and os.environ.get(str(name), "").strip():
+        token = read_token("remote_backend.api_key_env", name, "remote_backend.api_key_file", None)
+        assert token is not None
+        return token
+    return NO_KEY
 
 
 def _hosted(url: str) -> bool:

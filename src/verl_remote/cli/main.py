@@ -56,12 +56,18 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     from verl_remote.demo import recipe_for
     from verl_remote.discovery.compose import compose_config
+    from verl_remote.kit.secrets import redact
 
     config = compose_config(args.overrides, recipe=recipe_for(args.overrides, args.recipe))
-    _redact_urls(config)  # a password in a URL is not printed (a run refuses it: the token has settings of its own)
     if args.as_overrides:
+        from verl_remote.cli.preflight import leaves
         from verl_remote.demo import resolve_demo_assets
         from verl_remote.discovery.compose import verl_overrides
+        from verl_remote.kit.urls import redacted
+
+        for key, value in list(leaves(config)):  # a password in a URL is not printed (a run refuses it anyway)
+            if isinstance(value, str) and "://" in value and "@" in value:
+                OmegaConf.update(config, key, redacted(value), merge=False)
 
         with _quiet_stdout():  # only the overrides on stdout, for $(verl-remote config --overrides)
             resolve_demo_assets(config)
@@ -69,20 +75,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
         group = compose_config([f"remote_backend={name}"]).remote_backend if name else None
         print("\n".join(verl_overrides(config, group)))
         return 0
-    print(OmegaConf.to_yaml(config, resolve=args.resolve), end="")
+    # Shown as it will be used (resolved, where asked), then with every secret's value and a URL's password as
+    # ***: an ${oc.env:...} interpolation is a secret only once resolved.
+    shown = redact(OmegaConf.to_container(config, resolve=args.resolve))
+    print(OmegaConf.to_yaml(OmegaConf.create(shown)), end="")
     return 0
-
-
-def _redact_urls(config: Any) -> None:
-    """Every URL in the config with its user and password shown as ``***`` (in place)."""
-    from omegaconf import OmegaConf
-
-    from verl_remote.cli.preflight import leaves
-    from verl_remote.kit.urls import redacted
-
-    for key, value in list(leaves(config)):
-        if isinstance(value, str) and "://" in value and "@" in value:
-            OmegaConf.update(config, key, redacted(value), merge=False)
 
 
 @contextlib.contextmanager

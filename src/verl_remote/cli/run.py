@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_remote.demo import resolve_demo_assets
 from verl_remote.discovery.compose import ConfigError
+from verl_remote.kit.secrets import redact
 from verl_remote.runtime.files import private_file
 from verl_remote.runtime.summary import RunSummary
 
@@ -251,6 +252,18 @@ def _ray_init(config: DictConfig) -> None:
     os.environ.update(env)
 
 
+def without_ray_secrets(config: DictConfig) -> DictConfig:
+    """A copy of ``config`` for verl's TaskRunner, once Ray runs with the config's ``ray_kwargs``: their secrets
+    (``ray_init.runtime_env.env_vars.HF_TOKEN``, say) as ``***``. verl prints the whole config it gets into the
+    run's log, and the run records it in its folder; Ray's workers have the values already, and nothing after
+    ``ray.init`` reads them from the config."""
+    copy = config.copy()
+    if copy.get("ray_kwargs") is not None:
+        with open_dict(copy):
+            copy.ray_kwargs = OmegaConf.create(redact(OmegaConf.to_container(copy.ray_kwargs, resolve=True)))
+    return copy
+
+
 class _RunnerThread(threading.Thread):
     """The TaskRunner's ``run`` in a thread of the driver, whose main thread stays free for Ctrl-C and SIGTERM.
 
@@ -346,7 +359,7 @@ def _run(config: DictConfig, report: RunSummary, restarts: int) -> None:
     try:
         runner = RemoteTaskRunner()
         runner.restarts = restarts
-        thread = _RunnerThread(runner, config)
+        thread = _RunnerThread(runner, without_ray_secrets(config))
         thread.start()
         try:
             report.take(thread.result())

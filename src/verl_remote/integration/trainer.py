@@ -71,6 +71,7 @@ from verl_remote.integration.rollout import discard_server_ahead, start_server_a
 from verl_remote.integration.worker import OLD_LOG_PROBS_CURRENT
 from verl_remote.kit.backend import RemoteBackend
 from verl_remote.kit.errors import one_line
+from verl_remote.kit.secrets import secret_keys
 from verl_remote.runtime.checkpoints import resume_target, seal
 from verl_remote.runtime.export import check_export_setting, export_at_end
 from verl_remote.runtime.layout import single_forwarder_problem
@@ -238,6 +239,14 @@ class RemotePPOTrainer(PPOTrainerSync):
         backend_class = load_backend_class(self.backend_name)
         if not self.launched_by_cli:
             from verl_remote.runtime.cluster import check_cluster_paths
+
+            for key in secret_keys(OmegaConf.to_container(config.get("ray_kwargs") or {}), "ray_kwargs."):
+                print(
+                    f"verl-remote: {key} looks like a secret, and verl's own launcher printed it into the run's log "
+                    "with the rest of its config (`verl-remote train` shows it as ***, and the run's record holds "
+                    "***): give a service's token with the backend's token file or environment variable setting",
+                    flush=True,
+                )
 
             if problem := names.estimator_problem(config) or resume_problem(config) or old_log_probs_problem(config):
                 raise ValueError(problem)

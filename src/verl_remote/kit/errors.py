@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "HEADER_REFUSED",
     "BackendError",
     "BackendImportError",
     "BackendNotFoundError",
@@ -11,6 +12,7 @@ __all__ = [
     "ServiceStartError",
     "SpecError",
     "UnsupportedVerlError",
+    "header_refused",
     "one_line",
     "root_cause",
 ]
@@ -59,11 +61,35 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+#: What an HTTP client's refusal of a header value says instead of its own message, which quotes the header (a
+#: bearer token included).
+HEADER_REFUSED = (
+    "the request was not sent: the HTTP client refused one of its header values (not shown, as a header may carry "
+    "a credential); check the token the settings point at"
+)
+
+
+def header_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised from, an HTTP client's refusal of a header value as it wrote the request
+    (httpx's, httpcore's or h11's ``LocalProtocolError``): its message quotes the header it refused."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if type(current).__name__ == "LocalProtocolError":
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one line for a person: ``Type: message``, whitespace folded (the type alone when there is
     no message). A Ray task error stands for its innermost cause (:func:`root_cause`); a message that is a
-    traceback stands for its last line, the error itself."""
+    traceback stands for its last line, the error itself. An HTTP client's refusal of a header value is never
+    quoted (:data:`HEADER_REFUSED`): its message holds the header, a token included."""
     exc = root_cause(exc)
+    if header_refused(exc):
+        return f"{type(exc).__name__}: {HEADER_REFUSED}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if any(line.startswith("Traceback (most recent call last)") for line in lines):
         lines = lines[-1:]

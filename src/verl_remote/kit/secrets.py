@@ -12,15 +12,19 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
+from typing import Any
 
-__all__ = ["REDACTED", "looks_secret", "service_environment"]
+from verl_remote.kit.urls import redacted
+
+__all__ = ["REDACTED", "looks_secret", "redact", "secret_keys", "service_environment"]
 
 #: What stands for a secret's value wherever a config is shown or recorded.
 REDACTED = "***"
 
 #: A word that makes a name a secret's, alone or inside a word (PGPASSWORD, MYSECRET).
 _SECRET_WORDS = ("PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "CREDENTIAL", "APIKEY")
-#: A whole word that makes a name a secret's (TOKENIZERS_PARALLELISM is not one: TOKEN is not its word).
+#: A last word that makes a name a secret's: ``HF_TOKEN``, ``access_token`` (verl's ``max_token_len_per_gpu`` and
+#: ``TOKENIZERS_PARALLELISM`` are not: TOKEN is not their last word).
 _SECRET_NAMES = {"TOKEN", "PAT", "AUTHTOKEN", "BEARER", "COOKIE"}
 #: The words before a final KEY that make it a secret's (``api_key``, ``ACCESS_KEY``); a config's ``prompt_key``
 #: names a data column, but an environment variable's KEY (upper case, ``SIGNING_KEY``) is taken as a secret.
@@ -40,11 +44,45 @@ def looks_secret(name: str) -> bool:
         return False
     if any(secret in word for word in words for secret in _SECRET_WORDS):
         return True
-    if any(word in _SECRET_NAMES for word in words):
+    if words[-1] in _SECRET_NAMES:
         return True
     if words[-1] == "KEY":
         return name.isupper() or (len(words) > 1 and words[-2] in _KEY_KINDS)
     return False
+
+
+def redact(node: Any, secret: bool = False) -> Any:
+    """A copy of a plain config tree (dicts, lists, scalars, as ``OmegaConf.to_container`` gives) fit to show or
+    record: the value of every key that :func:`looks_secret`, and all below it, is :data:`REDACTED` (an
+    interpolation not yet resolved, ``${oc.env:PW}``, says where the secret is and stays); a URL's user and password
+    are ``***``. ``secret``: ``node`` is a secret's value."""
+    if isinstance(node, Mapping):
+        return {key: redact(value, secret or looks_secret(str(key))) for key, value in node.items()}
+    if isinstance(node, list):
+        return [redact(value, secret) for value in node]
+    if isinstance(node, str):
+        if secret and not node.startswith("${"):
+            return REDACTED
+        return redacted(node) if "://" in node and "@" in node else node
+    if secret and isinstance(node, (int, float)) and not isinstance(node, bool):
+        return REDACTED
+    return node
+
+
+def secret_keys(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of a plain config tree whose values :func:`redact` hides (set, and not an interpolation)."""
+    if isinstance(node, Mapping):
+        found = []
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if looks_secret(str(key)) and redact(value, secret=True) != value:
+                found.append(path)
+            else:
+                found += secret_keys(value, path + ".")
+        return found
+    if isinstance(node, list):
+        return [key for index, value in enumerate(node) for key in secret_keys(value, f"{prefix}{index}.")]
+    return []
 
 
 def service_environment(keep: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import urllib.parse
+import warnings
 from typing import Any
 
-__all__ = ["read_token", "redacted", "service_url", "token_in_clear"]
+__all__ = ["checked_token", "read_token", "redacted", "service_url", "token_file_readable_by_others", "token_in_clear"]
 
 #: Schemes a backend's HTTP client speaks.
 SCHEMES = ("http", "https")
@@ -76,11 +77,41 @@ def token_in_clear(url: str) -> bool:
     return parts.scheme == "http" and not _loopback(parts.hostname or "")
 
 
+def checked_token(token: str, where: str) -> str:
+    """``token`` (its surrounding whitespace stripped) where it can go into an HTTP header as it is: one word of
+    printable ASCII. ``ValueError`` starting with ``where`` (the setting and its value) otherwise, showing no part
+    of the token: a token with a line break inside would be refused by the HTTP client in a message that quotes
+    the whole header."""
+    token = token.strip()
+    if any(c.isspace() for c in token):
+        raise ValueError(
+            f"{where}: the token has a line break or a space inside it (not shown); a token is one word: write it "
+            "alone, on one line"
+        )
+    if not all(33 <= ord(c) <= 126 for c in token):
+        raise ValueError(
+            f"{where}: the token has a character that is not printable ASCII inside it (not shown), which no HTTP "
+            "header carries; copy the token again from where it was issued"
+        )
+    return token
+
+
+def token_file_readable_by_others(path: str) -> bool:
+    """Whether the file ``path`` may be read by users other than its owner (its mode gives the group or others
+    read access)."""
+    try:
+        return bool(os.stat(path).st_mode & 0o044)
+    except OSError:
+        return False
+
+
 def read_token(env_key: str, env_name: Any, file_key: str, file_path: Any) -> str | None:
     """The token a run's settings point at: the environment variable ``env_name`` (the setting ``env_key``) or
     the file ``file_path`` (the setting ``file_key``, its content stripped), or None where neither is set.
-    ``ValueError`` naming the setting for: both set, an empty variable, a file missing, unreadable or empty.
-    The token itself is never in a message."""
+    ``ValueError`` naming the setting for: both set, an empty variable, a file missing, unreadable or empty, a
+    token with whitespace or a character that is not printable ASCII inside it (:func:`checked_token`). A file
+    that others may read gets a ``UserWarning`` (the preflight shows it before the run). The token itself is never
+    in a message."""
     if env_name and file_path:
         raise ValueError(f"{env_key}={env_name} and {file_key}={file_path}: set one of them, not both")
     if env_name:
@@ -88,7 +119,7 @@ def read_token(env_key: str, env_name: Any, file_key: str, file_path: Any) -> st
         if not token:
             raise ValueError(f"{env_key}={env_name}: that environment variable is empty; export {env_name}=<token> "
                              "before the run")  # fmt: skip
-        return token
+        return checked_token(token, f"{env_key}={env_name}")
     if file_path:
         path = os.path.expanduser(str(file_path))
         try:
@@ -97,7 +128,17 @@ def read_token(env_key: str, env_name: Any, file_key: str, file_path: Any) -> st
         except OSError as exc:
             raise ValueError(f"{file_key}={file_path}: cannot read it ({exc.strerror}); write the token into that "
                              "file, readable by the user who runs the job (chmod 600)") from None  # fmt: skip
+        except UnicodeDecodeError:
+            raise ValueError(f"{file_key}={file_path}: the file is not text (UTF-8); write the token into it as "
+                             "text") from None  # fmt: skip
         if not token:
             raise ValueError(f"{file_key}={file_path}: the file is empty; write the token into it")
+        token = checked_token(token, f"{file_key}={file_path}")
+        if token_file_readable_by_others(path):
+            warnings.warn(
+                f"{file_key}={file_path}: other users of this machine may read the token in it; chmod 600 {path}",
+                UserWarning,
+                stacklevel=2,
+            )
         return token
     return None

@@ -3,8 +3,10 @@
 A run writes ``verl-remote-run.yaml`` into its checkpoint folder (``trainer.default_local_dir``) as it starts,
 under either launcher: the whole config, resolved, as the run got it (paths made absolute by ``verl-remote
 train``). ``verl-remote export`` reads it to know the backend, its settings and the model a checkpoint belongs
-to. A run resumed in the folder writes it again. Secrets are never in a config (backends read tokens from the
-environment), so the record holds none.
+to. A run resumed in the folder writes it again. Backends read tokens from the environment or a file, never from
+the config; what looks like a secret anyway (a key named token, password, secret or API key, a variable of
+``ray_kwargs.ray_init.runtime_env.env_vars``, an ``${oc.env:...}`` resolved into it) is recorded as ``***``
+(:func:`verl_remote.kit.secrets.redact`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import tempfile
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from verl_remote.kit.secrets import redact
 
 __all__ = ["RUN_RECORD", "read_run_record", "resume_problem", "write_run_record"]
 
@@ -28,7 +32,7 @@ def write_run_record(config: Any) -> str:
     handle, temporary = tempfile.mkstemp(prefix=f".{RUN_RECORD}.", dir=folder)
     try:
         with os.fdopen(handle, "w") as fp:
-            fp.write(OmegaConf.to_yaml(config, resolve=True))
+            fp.write(OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(config, resolve=True)))))
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):

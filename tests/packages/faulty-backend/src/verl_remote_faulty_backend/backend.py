@@ -95,6 +95,9 @@ class FaultyWorker(LocalForwarderWorker):
     backend: FaultyBackend
 
     def backend_forward_backward(self, mini_batch: Any, meta: dict[str, Any]) -> dict[str, float]:
+        probe = self.backend.settings.get("env_probe")
+        if probe:  # what the forwarder's process was given, not the value
+            self.backend._record(f"forward_backward env {probe} {'set' if os.environ.get(probe) else 'unset'}")
         # remote_backend.batches_log: each row the backend trains on, its response and response mask, one JSON line.
         log = self.backend.settings.get("batches_log")
         if log:

@@ -72,15 +72,21 @@ def build(session: nox.Session) -> None:
     session.run("twine", "check", "--strict", *[str(p) for p in sorted(out.glob("verl_*"))])
 
 
+#: A backend whose service answers at once, for measuring what the client costs (benchmarks/client_cost.py).
+INSTANT_BACKEND = str(ROOT / "benchmarks" / "instant-backend")
+
+
 @nox.session
 def benchmarks(session: nox.Session) -> None:
     """The plugin's import cost, verl-remote's per-step overhead beside the backend's compute, how fast bad
-    input is refused, and the demo's start phase by phase (about 6 minutes on 2 cores)."""
-    session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS)  # the backends' refusals too
+    input is refused, the demo's start phase by phase, and the client's CPU a sample at 64, 512 and 4,096 samples
+    a step (about 20 minutes on 2 cores)."""
+    session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS, INSTANT_BACKEND)
     session.run("python", "benchmarks/plugin_import.py")
     session.run("python", "benchmarks/step_overhead.py")
     session.run("python", "benchmarks/refusal.py")
     session.run("python", "benchmarks/startup.py")
+    session.run("python", "benchmarks/client_cost.py")
 
 
 @nox.session

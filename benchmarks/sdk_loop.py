@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,11 @@ def demo_task() -> tuple[list[list[int]], list[str], dict[str, Any]]:
     return prompts, answers, settings
 
 
-async def sdk_loop(url: str, steps: int) -> tuple[list[float], list[float]]:
-    """The plain loop; each step's seconds and mean reward."""
+async def sdk_loop(
+    url: str, steps: int, *, batch: int | None = None, on_step: Callable[[], None] | None = None
+) -> tuple[list[float], list[float]]:
+    """The plain loop; each step's seconds and mean reward. ``batch``: prompts a step (the recipe's by default);
+    ``on_step`` is called as each step ends."""
     import numpy as np
     from tinker import types
 
@@ -82,6 +86,8 @@ async def sdk_loop(url: str, steps: int) -> tuple[list[float], list[float]]:
     from verl_remote_tinker import sdk  # each call as the SDK in this environment takes it (0.25 or newer)
 
     prompts, answers, s = demo_task()
+    if batch is not None:
+        s["batch"] = batch
     service = sdk.service_client(url, "tml-no-key-set", timeout_s=600, max_retries=0)
     training = await sdk.created(service, "create_lora_training_client", base_model=s["model"], rank=s["lora_rank"])
     sampler = await sdk.saved_for_sampling(training)
@@ -90,12 +96,12 @@ async def sdk_loop(url: str, steps: int) -> tuple[list[float], list[float]]:
     for step in range(steps):
         began = time.monotonic()
         first = (step * s["batch"]) % len(prompts)
-        batch = [(prompts[i], answers[i]) for i in range(first, first + s["batch"])]
+        chosen = [(prompts[i % len(prompts)], answers[i % len(prompts)]) for i in range(first, first + s["batch"])]
         samples = await asyncio.gather(
-            *[sdk.requested(sampler, "sample", types.ModelInput.from_ints(p), s["n"], params) for p, _ in batch]
+            *[sdk.requested(sampler, "sample", types.ModelInput.from_ints(p), s["n"], params) for p, _ in chosen]
         )
         data, scores = [], []
-        for (prompt, answer), result in zip(batch, samples, strict=True):
+        for (prompt, answer), result in zip(chosen, samples, strict=True):
             texts = [s["decode"](q.tokens, skip_special_tokens=True) for q in result.sequences]
             group = [compute_score("verl_remote/say_digit", text, answer) for text in texts]
             scores.extend(group)
@@ -122,6 +128,8 @@ async def sdk_loop(url: str, steps: int) -> tuple[list[float], list[float]]:
         sampler = await sdk.saved_for_sampling(training)
         times.append(time.monotonic() - began)
         rewards.append(float(np.mean(scores)))
+        if on_step is not None:
+            on_step()
         print(f"  sdk step {step + 1}/{steps}: {times[-1]:.2f} s, reward {rewards[-1]:.3f}", flush=True)
     return times, rewards
 

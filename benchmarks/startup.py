@@ -8,7 +8,8 @@ every process of the run (the CLI's own, Ray's, each Ray worker under the name o
 every 0.2 s with its CPU time. Prints, as the median of the runs:
 
 - the phases: the CLI's first line, Ray's node up (its raylet), each of verl's actors started (in order), the
-  sampler's line, the validation before step 1, step 1's row, the last step's row, the command's end;
+  sampler's line, the validation before step 1, step 1's row, the last step's row, the command's end; where the
+  run waited for its service (a service being provisioned), when it answered and step 1 counted from then;
 - the CPU-seconds of each process (what it had used when last seen), the CLI's own first;
 - a step: the median time between step rows after the first.
 
@@ -20,109 +21,30 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-from dataclasses import dataclass, field
 
-import psutil
+from processes import VERL_REMOTE, Watched, watch
 
 #: Console lines that mark a phase, by the phase's name.
 PHASES = {
     "first line": re.compile(r"^verl-remote: training with backend "),
+    # Only where the run waited for its service (a service provisioned or loading): step 1 counts from here.
+    "the service answered": re.compile(r"^verl-remote: the service answered after "),
     "sampler line": re.compile(r"^verl-remote: the \w+ backend samples with "),
     "validation (step 0)": re.compile(r"^step 0/"),
     "step 1": re.compile(r"^step 1/"),
 }
 STEP_ROW = re.compile(r"^step (\d+)/(\d+)\s.*reward ")
-#: Ray's own processes, by what their command line holds.
-RAY_OWN = ("gcs_server", "raylet", "dashboard", "monitor.py", "log_monitor", "DashboardAgent", "RuntimeEnvAgent")
-SAMPLE_S = 0.2
-#: The command of this interpreter's environment.
-VERL_REMOTE = os.path.join(os.path.dirname(sys.executable), "verl-remote")
 
-
-@dataclass
-class Seen:
-    """One process of the run: when it was first seen, what it is called now, its CPU time when last seen."""
-
-    first: float
-    name: str
-    cpu: float = 0.0
-
-
-@dataclass
-class Run:
-    lines: list[tuple[float, str]] = field(default_factory=list)
-    processes: dict[int, Seen] = field(default_factory=dict)
-    raylet_at: float | None = None
-    root: int = 0
-    end: float = 0.0
-    code: int = 0
-
-
-def _name(proc: psutil.Process) -> str:
-    cmd = " ".join(proc.cmdline())
-    if cmd.startswith("ray::"):
-        return cmd.split()[0]
-    for own in RAY_OWN:
-        if own in cmd:
-            return f"ray ({own})"
-    if "setup_worker.py" in cmd or "default_worker.py" in cmd:
-        return "ray::(starting)"
-    if "verl_remote.runtime.watchdog" in cmd:
-        return "verl-remote's watchdog"
-    return os.path.basename(cmd.split()[0]) if cmd else "(exited)"
-
-
-def _watch(root: psutil.Process, run: Run, began: float, done: threading.Event) -> None:
-    while not done.is_set():
-        now = time.monotonic() - began
-        try:
-            family = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            family = []
-        for proc in family:
-            try:
-                name = _name(proc)
-                times = proc.cpu_times()
-            except psutil.Error:
-                continue
-            seen = run.processes.setdefault(proc.pid, Seen(now, name))
-            if name not in ("ray::IDLE", "ray::(starting)"):
-                seen.name = name
-            # Its own CPU only: its children are watched themselves (the driver's include Ray's head processes,
-            # whose CPU a process's children_* times would count again once they end).
-            seen.cpu = times.user + times.system
-            if run.raylet_at is None and name == "ray (raylet)":
-                run.raylet_at = now
-        done.wait(SAMPLE_S)
+Run = Watched
 
 
 def run_once(steps: int, overrides: list[str]) -> Run:
-    run = Run()
     with tempfile.TemporaryDirectory(prefix="verl-remote-startup-") as folder:
-        command = [VERL_REMOTE, "train", f"trainer.total_training_steps={steps}", *overrides]
-        began = time.monotonic()
-        proc = subprocess.Popen(
-            command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
-        run.root = proc.pid
-        done = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(psutil.Process(proc.pid), run, began, done), daemon=True)
-        watcher.start()
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            run.lines.append((time.monotonic() - began, line.rstrip("\n")))
-        run.code = proc.wait()
-        run.end = time.monotonic() - began
-        done.set()
-        watcher.join()
+        run = watch([VERL_REMOTE, "train", f"trainer.total_training_steps={steps}", *overrides], cwd=folder)
     if run.code != 0:
         tail = "\n".join(line for _, line in run.lines[-20:])
         sys.exit(f"verl-remote train exited {run.code}:\n{tail}")
@@ -190,6 +112,9 @@ def main() -> int:
     for name in names:
         values = [found[name] for found in table if name in found]
         print(f"| {name} | {statistics.median(values):.1f} |")
+    answered = [found["step 1"] - found["the service answered"] for found in table if "the service answered" in found]
+    if answered:
+        print(f"| step 1, after the service answered | {statistics.median(answered):.1f} |")
     steps = [s for s in (step_time(run) for run in runs) if s is not None]
     if steps:
         print(f"| a step (between rows, after step 1) | {statistics.median(steps):.2f} |")

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from conftest import cli
+from verl_remote.integration.seams import SEAMS
 
 
 def test_every_command_has_help(cli_main: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,7 +78,8 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
     lines = out.stdout.splitlines()
     expected_ok = [
         "[ok  ] verl version is supported: verl 0.9.",
-        "[ok  ] verl has its V1 trainer and the names verl-remote relies on: 89 names, as verl 0.9.1 has them",
+        "[ok  ] verl has its V1 trainer and the names verl-remote relies on: "
+        f"{len(SEAMS)} names, as verl 0.9.1 has them",
         "[ok  ] verl loads the verl-remote plugin",
         "[ok  ] Hydra finds the verl-remote search path plugin",
         "[ok  ] backend echo (verl-remote-echo-backend 0.1.0) loads",

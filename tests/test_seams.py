@@ -81,7 +81,8 @@ def missing_from_inventory(relied: dict[str, set[str]]) -> list[str]:
     missing = []
     for target, where in sorted(relied.items()):
         obj = resolve(target)
-        if not any(obj is entry for entry in listed):
+        func = getattr(obj, "__func__", obj)  # a classmethod resolves to a new bound method each time
+        if not any(obj is entry or func is getattr(entry, "__func__", entry) for entry in listed):
             missing.append(f"{target} ({', '.join(sorted(where))})")
     return missing
 
@@ -107,11 +108,11 @@ def test_a_verl_name_off_the_inventory_is_found(tmp_path: Path) -> None:
         "from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync\n"
         "class Mine(PPOTrainerSync):\n"
         "    def _update_actor(self, batch, metrics): ...\n"
-        "    def _balance_batch(self, batch, metrics): ...\n"
+        "    def _compute_advantage(self, batch, metrics): ...\n"
     )
     missing = missing_from_inventory(relied_on([code]))
     assert [line.split(" (")[0] for line in missing] == [
-        "verl.trainer.ppo.v1.trainer_sync:PPOTrainerSync._balance_batch",
+        "verl.trainer.ppo.v1.trainer_sync:PPOTrainerSync._compute_advantage",
         "verl.utils.fs:copy_to_local",
     ]
 

@@ -35,6 +35,8 @@ class Seam:
 _TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
 _REPLICA = "verl.workers.rollout.replica:RolloutReplica"
 _SYNC = "verl.trainer.ppo.v1.trainer_sync:PPOTrainerSync"
+_AGENT_TQ = "verl.trainer.ppo.v1.agent_loop_tq"
+_AGENT_LOOP = "verl.experimental.agent_loop.agent_loop"
 
 SEAMS: tuple[Seam, ...] = (
     # The trainer (integration/trainer.py): RemotePPOTrainer subclasses PPOTrainerSync.
@@ -254,6 +256,78 @@ SEAMS: tuple[Seam, ...] = (
             "init_lr_ratio",
             "zero_indexed_step",
         ),
+    ),
+    Seam(
+        f"{_TRAINER}._balance_batch",
+        "one forwarder: verl's batch and metrics without its partitioning",
+        ("self", "batch", "metrics", "logging_prefix", "keep_minibatch"),
+    ),
+    Seam(f"{_TRAINER}._get_required_batch_multiple", "the batch's multiple for one forwarder", ("self", "dp_size")),
+    Seam(
+        "verl.trainer.ppo.padding_utils:upsample_batch_to_divisible_size",
+        "verl's padding of a batch to that multiple",
+        ("batch", "batch_multiple", "eos_token_id"),
+    ),
+    Seam(
+        "verl.utils.seqlen_balancing:log_seqlen_unbalance",
+        "verl's global_seqlen metrics",
+        ("seqlen_list", "partitions", "prefix"),
+    ),
+    Seam(
+        "verl.utils.seqlen_balancing:get_seqlen_balanced_partitions",
+        "one partition, in order, for one rank (tests/test_light_client.py)",
+        ("seqlen_list", "k_partitions", "equal_size"),
+    ),
+    Seam(
+        "verl.utils.transferqueue_utils:kv_batch_meta2batch_meta",
+        "TransferQueue's field schema: which fields a forwarder fetches (forwarder_view.py)",
+        ("meta",),
+    ),
+    Seam("verl.trainer.ppo.v1.replay_buffer:ReplayBuffer", "verl's replay buffer, synchronous"),
+    Seam("verl.trainer.ppo.v1.replay_buffer:ReplayBufferAsync", "verl's replay buffer, overlapped"),
+    Seam(
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._wait_for_next_poll",
+        "its wait between looks at TransferQueue, ended when verl-remote's agent loop put samples there",
+        ("self", "partition_id", "last_debug_time"),
+    ),
+    Seam(
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.poll_interval",
+        "its seconds between looks",
+        set_in=("verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__"),
+    ),
+    # The agent loop (integration/agent_loop.py): verl's V1 agent-loop manager, and what its single-turn loop and
+    # reward worker do, a prompt's group at a time in the TaskRunner's process.
+    Seam(f"{_AGENT_TQ}:AgentLoopManagerTQ", "RemoteAgentLoopManager's base: verl's workers for other agent loops"),
+    Seam(f"{_AGENT_TQ}:AgentLoopManagerTQ.__init__", "the run's config, client and reward workers", ("self",)),
+    Seam(f"{_AGENT_TQ}:AgentLoopManagerTQ.create", "the manager verl's TaskRunner makes (auto_await'ed)"),
+    Seam(f"{_AGENT_TQ}:AgentLoopManagerTQ.generate_sequences", "a batch of prompts", ("self", "prompts")),
+    Seam(f"{_AGENT_TQ}:apply_greedy_sampling_params", "__do_sample__ false", ("params",)),
+    Seam(f"{_AGENT_LOOP}:AgentLoopOutput", "each trajectory, as verl's single-turn loop makes it"),
+    Seam(f"{_AGENT_LOOP}:AgentLoopMetrics", "its timings", ("generate_sequences", "tool_calls", "compute_score")),
+    Seam(f"{_AGENT_LOOP}:_agent_loop_registry", "single_turn_agent still verl's own class"),
+    Seam(
+        "verl.experimental.reward_loop.reward_loop:RewardLoopWorker",
+        "verl's reward worker's code, in the TaskRunner's process",
+        ("config", "reward_router_address"),
+    ),
+    Seam("verl.experimental.reward_loop.reward_loop:RewardLoopWorker.compute_score", "one reward", ("self", "data")),
+    Seam(
+        "verl.experimental.reward_loop.reward_manager.naive:NaiveRewardManager",
+        "verl's default reward manager: its run_single's arguments, for a group at once",
+        ("config", "tokenizer", "compute_score"),
+    ),
+    Seam("verl.protocol:DataProto", "the batch a reward manager's run_single reads"),
+    Seam("verl.utils.model:compute_position_id_with_mask", "a trajectory's position ids", ("mask",)),
+    Seam("verl.utils.ray_utils:auto_await", "create, awaited or not"),
+    Seam(
+        "verl.utils.tensordict_utils:list_of_dict_to_tensordict",
+        "the trajectories as verl's worker puts them",
+        ("list_of_dicts",),
+    ),
+    Seam(
+        "verl.utils.tokenizer.continuous_token_wiring:create_continuous_token_builder",
+        "verl's prompt tokens and the merge of a response",
+        ("tokenizer",),
     ),
     # Read, not imported (integration/rewards.py): the data sources verl's built-in rewards score.
     Seam(

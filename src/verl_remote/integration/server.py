@@ -134,18 +134,40 @@ class RemoteRolloutServer:
         """verl's ``TokenOutput``: the sampled tokens, their log-probs and the weights versions they came from."""
         if image_data or video_data:
             raise ValueError("verl-remote's rollout replica serves text prompts only")
+        return TokenOutputOnArrival(**await self._generated([int(t) for t in prompt_ids], sampling_params))
+
+    async def generate_group(self, prompt_ids: list[int], sampling_params: dict[str, Any], n: int) -> list[Any]:
+        """``n`` samples of one prompt in one call, each as :meth:`generate` makes it (as plain dicts of verl's
+        ``TokenOutput`` fields): verl-remote's agent loop asks for a prompt's group at once, one Ray call instead of
+        ``n``. The samples are sampled concurrently (a backend that merges a prompt's requests, as verl-remote-tinker
+        does, sends them as one); the first failure fails the group, as one failed sample fails it in verl."""
         prompt_ids = [int(t) for t in prompt_ids]
+        try:
+            parsed = self._params(prompt_ids, sampling_params)
+        except Exception as exc:  # each sample fails as one request would
+            self.failures.extend([(one_line(exc), is_transient(exc))] * n)
+            raise
+        return list(await asyncio.gather(*(self._generated(prompt_ids, sampling_params, parsed) for _ in range(n))))
+
+    def _params(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> SamplingParams:
+        return SamplingParams.from_verl(
+            sampling_params,
+            max_tokens=self.max_tokens(len(prompt_ids), sampling_params),
+            stop_token_ids=self.stop_token_ids,
+        )
+
+    async def _generated(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], parsed: SamplingParams | None = None
+    ) -> dict[str, Any]:
+        """One sample's ``TokenOutput`` fields: its tokens, their log-probs, its stop reason and weights versions
+        (``parsed``: ``sampling_params`` parsed already, for a group's samples)."""
         # The weights versions this request may have sampled from: an overlapped run publishes a new one while
         # requests sample (verl's trajectory_staleness metrics read the range).
         first_version = self.global_steps
         self.inflight += 1
         self.idle.clear()
         try:
-            params = SamplingParams.from_verl(
-                sampling_params,
-                max_tokens=self.max_tokens(len(prompt_ids), sampling_params),
-                stop_token_ids=self.stop_token_ids,
-            )
+            params = parsed if parsed is not None else self._params(prompt_ids, sampling_params)
             result = await self._sample_retrying(prompt_ids, params)
         except Exception as exc:
             # verl's agent loop logs the exception and counts the prompt as failed; the trainer asks for the
@@ -156,16 +178,16 @@ class RemoteRolloutServer:
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle.set()
-        return TokenOutputOnArrival(
-            token_ids=result.token_ids,
-            log_probs=result.log_probs,
-            stop_reason=result.stop_reason,
-            extra_fields={
+        return {
+            "token_ids": result.token_ids,
+            "log_probs": result.log_probs,
+            "stop_reason": result.stop_reason,
+            "extra_fields": {
                 "global_steps": self.global_steps,
                 "min_global_steps": first_version,
                 "max_global_steps": self.global_steps,
             },
-        )
+        }
 
     async def _sample_retrying(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         """:meth:`sample_within_contract`, sent again after a transient fault (:data:`SAMPLE_ATTEMPTS`, within

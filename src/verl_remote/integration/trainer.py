@@ -48,6 +48,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import ContextVar
 from typing import Any
 
@@ -56,14 +57,19 @@ import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.single_controller.ray.base import RayResourcePool, ResourcePoolManager
 from verl.trainer.main_ppo import TaskRunnerV1
+from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
 from verl_remote.discovery.registry import load_backend_class, load_worker_class
 from verl_remote.integration import names
+from verl_remote.integration.agent_loop import reward_workers_deferred
 from verl_remote.integration.balancer import use_run_balancer
 from verl_remote.integration.client import OneServerClient
+from verl_remote.integration.forwarder_view import TensorFieldsOnly
 from verl_remote.integration.handoff import attach as attach_handoff
 from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME
 from verl_remote.integration.old_log_probs import OldLogProbs, max_difference, old_log_probs_problem
@@ -141,6 +147,35 @@ def _overlap(config: DictConfig, backend_class: type[RemoteBackend]) -> tuple[bo
     return not reason, reason or None
 
 
+#: The longest verl's replay buffer waits between its looks at TransferQueue where verl-remote's agent loop says when
+#: samples arrive (each look reads every key's tags: 20 a second during a minute of sampling is a CPU-minute).
+ARRIVAL_WAIT_S = 1.0
+
+
+def _waits_for_arrivals(buffer: Any, arrivals: Any) -> Any:
+    """verl's replay buffer's wait between its looks at TransferQueue (``_wait_for_next_poll``), ended by the agent
+    loop's arrivals where there are any (at most :data:`ARRIVAL_WAIT_S`), and verl's own otherwise."""
+    wait = buffer._wait_for_next_poll
+
+    def next_poll(partition_id: str, last_debug_time: float) -> float:
+        arrived = arrivals()
+        if arrived is None:
+            return float(wait(partition_id, last_debug_time))
+        arrived.wait(ARRIVAL_WAIT_S)
+        arrived.clear()
+        interval, buffer.poll_interval = buffer.poll_interval, 0.0
+        try:
+            return float(wait(partition_id, last_debug_time))  # its log line, without its sleep
+        finally:
+            buffer.poll_interval = interval
+
+    return next_poll
+
+
+#: Seconds between the console's lines while the trainer waits for the backend (its service) to be made.
+WAIT_NOTE_S = 30.0
+
+
 class BackendStart:
     """The run's backend made in a thread of its own while verl starts its processes.
 
@@ -163,6 +198,9 @@ class BackendStart:
         self._lock = threading.Lock()
         self._taken = False
         self._made: Future[RemoteBackend] = Future()
+        #: When the backend began to be made, and when it was (``time.monotonic()``).
+        self.began = time.monotonic()
+        self.ready_at = self.began
         self._released = threading.Event()
         self.thread = threading.Thread(
             target=contextvars.copy_context().run,
@@ -174,7 +212,9 @@ class BackendStart:
 
     def _run(self, backend_class: type[RemoteBackend], config: DictConfig) -> None:
         try:
-            self._made.set_result(self._make(backend_class, config))
+            made = self._make(backend_class, config)
+            self.ready_at = time.monotonic()
+            self._made.set_result(made)
         except BaseException as exc:
             self._made.set_exception(exc)
         self._released.wait()
@@ -194,12 +234,24 @@ class BackendStart:
         self._released.set()
 
     def take(self) -> RemoteBackend:
-        """The backend, once made, for the trainer, which destroys it from then on."""
+        """The backend, once made, for the trainer, which destroys it from then on. While the trainer waits for it
+        (a service being provisioned, a launched one loading its model), the console says so every
+        :data:`WAIT_NOTE_S`, and when it answered."""
         with self._lock:
             if self._taken:
                 raise RunStopped("the run is stopping: its backend was destroyed before the trainer was built")
             self._taken = True
-        return self._made.result()
+        waited = False
+        while True:
+            try:
+                backend = self._made.result(timeout=WAIT_NOTE_S)
+            except FutureTimeout:
+                waited = True
+                print(f"verl-remote: waiting for the service ({time.monotonic() - self.began:.0f} s)", flush=True)
+                continue
+            if waited:
+                print(f"verl-remote: the service answered after {self.ready_at - self.began:.0f} s", flush=True)
+            return backend
 
     def discard(self) -> bool:
         """Destroy the backend when no trainer took it (verl's start-up failed first, or the run is stopping),
@@ -226,6 +278,10 @@ _BACKEND_START: ContextVar[BackendStart | None] = ContextVar("verl_remote_backen
 class RemotePPOTrainer(PPOTrainerSync):
     """verl's sync trainer driving a :class:`~verl_remote.RemoteBackend`; with ``trainer_mode=remote_async``, on
     verl's asynchronous replay buffer, sampling the next step while this one trains (:attr:`overlap`)."""
+
+    #: verl's worker group of the forwarders (verl's ``_setup`` makes it; :meth:`init` narrows what it fetches).
+    actor_rollout_wg: Any
+    ref_policy_wg: Any
 
     def __init__(self, config: DictConfig) -> None:
         #: Whether ``verl-remote train`` launched the run (its TaskRunner), which checked the layout and the
@@ -310,16 +366,24 @@ class RemotePPOTrainer(PPOTrainerSync):
         )
         return True
 
-    #: Seconds between verl's checks that a step's samples are in. verl's replay buffer waits 2 s between
-    #: checks, so every step's generation took a multiple of 2 s however fast the service sampled
-    #: (docs/measurements.md); the check reads the buffer's own counters, so checking often costs nothing.
+    #: Seconds between verl's checks that a step's samples are in, where verl's own agent-loop workers sample (each
+    #: check reads every key's tags from TransferQueue). verl's replay buffer waits 2 s between checks, so every
+    #: step's generation took a multiple of 2 s however fast the service sampled (docs/measurements.md). Where
+    #: verl-remote's agent loop samples, the buffer checks when it put samples there (:data:`ARRIVAL_WAIT_S`).
     replay_poll_s = 0.05
 
     def _build_replay_buffer(self) -> Any:
         buffer = super()._build_replay_buffer()
         if hasattr(buffer, "poll_interval"):
             buffer.poll_interval = min(float(buffer.poll_interval), self.replay_poll_s)
+        if type(buffer) in (ReplayBuffer, ReplayBufferAsync):  # verl's own, not a user's custom sampler
+            buffer._wait_for_next_poll = _waits_for_arrivals(buffer, self._arrivals)
         return buffer
+
+    def _arrivals(self) -> threading.Event | None:
+        """The agent loop's signal that samples went into TransferQueue, where it alone puts them."""
+        manager = getattr(self, "agent_loop_manager", None)  # verl's fit sets it
+        return getattr(manager, "arrivals", None)
 
     def get_llm_client(self) -> Any:
         """verl's client; a run with one rollout server sends each request straight to it (OneServerClient)."""
@@ -329,10 +393,18 @@ class RemotePPOTrainer(PPOTrainerSync):
 
     def init(self) -> None:
         try:
-            super().init()
+            # verl's reward workers serve verl's agent-loop workers only: where verl-remote's agent loop scores the
+            # run's batches in its own process, they are made when a batch first goes to verl's (agent_loop.py).
+            with reward_workers_deferred(self.config):
+                super().init()
         except BaseException:
             self.destroy_backend()
             raise
+        # The forwarders fetch a batch's tensors, not its text and records (forwarder_view.py).
+        group = self.actor_rollout_wg
+        self.actor_rollout_wg = TensorFieldsOnly(group)
+        if getattr(self, "ref_policy_wg", None) is group:
+            self.ref_policy_wg = self.actor_rollout_wg
 
     def fit(self, agent_loop_manager: Any) -> None:
         """verl's loop; the backend is destroyed once whatever ends it (verl's own TaskRunner does not)."""
@@ -537,6 +609,27 @@ class RemotePPOTrainer(PPOTrainerSync):
                 print(said, flush=True)
         return batch
 
+    def _balance_batch(
+        self, batch: Any, metrics: dict[str, Any], logging_prefix: str = "global_seqlen", keep_minibatch: bool = False
+    ) -> Any:
+        """verl's, but with one data-parallel rank (one forwarder, every backend's default) without its partitioning:
+        verl's Karmarkar-Karp then returns one partition of every sample in order (its partitions' indices sorted),
+        so verl's reorder changes nothing. The batch and the metrics are verl's, without a heap of a Python object
+        per sample a step (tests/test_light_client.py)."""
+        group = self.actor_rollout_wg
+        if "actor" not in group._dispatch_info:
+            group._dispatch_info["actor"] = group._query_dispatch_info("actor")
+        if max(group._dispatch_info["actor"]) + 1 != 1:
+            return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        batch = upsample_batch_to_divisible_size(
+            batch, self._get_required_batch_multiple(1), self.tokenizer.eos_token_id
+        )
+        seqlens = [int(tag["seq_len"]) for tag in batch.tags]
+        metrics.update(
+            log_seqlen_unbalance(seqlen_list=seqlens, partitions=[list(range(len(seqlens)))], prefix=logging_prefix)
+        )
+        return batch
+
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
         self._wait_for_sync()  # the update changes the weights the sync reads
         # Whether the old log-probs are the model's as it is now: the update's forwarder tells its backend.
@@ -600,6 +693,9 @@ class RemotePPOTrainer(PPOTrainerSync):
         log.info("verl-remote: destroying backend '%s'", self.backend_name)
         if self._syncer is not None:  # a sync still in flight fails against the destroyed backend, unread
             self._syncer.shutdown(wait=False)
+        manager = getattr(self, "agent_loop_manager", None)  # verl's fit sets it
+        if manager is not None and hasattr(manager, "close"):  # its thread ends before the backend goes
+            manager.close()
         asyncio.run(self.backend.destroy())
 
 

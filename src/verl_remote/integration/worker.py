@@ -110,9 +110,7 @@ class RemoteForwarderWorker(Worker):
         tensors = data.select(*[k for k, v in data.items() if _is_tensor(v)])
         per_rank = max(mini_batch_size // self.world_size, 1)
         metrics: dict[str, list[float]] = {}
-        for mini_batch in tu.make_iterator(
-            tensors, mini_batch_size=per_rank, epochs=epochs, seed=seed, dataloader_kwargs=dataloader_kwargs
-        ):
+        for mini_batch in _mini_batches(tensors, per_rank, epochs, seed, dataloader_kwargs):
             # verl's loss normalises by the global mini-batch, as its own workers do (the token count is
             # this rank's times the rank count: exact with one forwarder, an estimate with more).
             meta["batch_num_tokens"] = int(mini_batch["response_mask"].values().sum()) * self.world_size
@@ -260,6 +258,17 @@ class RemoteForwarderWorker(Worker):
             achieved = estimate(self._flops.config, sum(seqlens), seqlens, elapsed) * epochs
         peak = get_device_flops(device_name=device)
         return float(achieved / peak / self.world_size) if 0 < peak < float("inf") else 0.0
+
+
+def _mini_batches(tensors: TensorDict, size: int, epochs: int, seed: Any, dataloader_kwargs: dict[str, Any]) -> Any:
+    """verl's mini-batches of ``tensors`` (``make_iterator``); where that is the whole batch once, in order (one
+    epoch, no shuffle, a mini-batch as large as the batch: every backend's default), the batch itself, without a
+    copy of every row (verl's loader selects them all by index)."""
+    if epochs == 1 and size >= len(tensors) and not dataloader_kwargs.get("shuffle", False):
+        return [tensors]
+    return tu.make_iterator(
+        tensors, mini_batch_size=size, epochs=epochs, seed=seed, dataloader_kwargs=dataloader_kwargs
+    )
 
 
 def _is_tensor(value: Any) -> bool:

@@ -274,6 +274,9 @@ class TinkerBackend(RemoteBackend):
     async def sample(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
         return dict(await self.service.call_async("sample", prompt, params))
 
+    async def sample_group(self, prompt: list[int], params: SamplingParams, n: int) -> list[dict[str, Any]]:
+        return list(await self.service.call_async("sample_group", prompt, params, n))
+
 
 def _validated(main_config: Any) -> dict[str, Any]:
     """``remote_backend`` as a dict, every setting and verl's objective checked: the one validation

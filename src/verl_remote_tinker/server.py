@@ -28,3 +28,8 @@ class TinkerRolloutServer(RemoteRolloutServer):
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         result = await self.backend.sample(prompt_ids, params)
         return SampleResult(list(result["tokens"]), result["logprobs"], "completed")
+
+    async def sample_group(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SampleResult]:
+        # A prompt's group as one SamplingClient.sample with num_samples=n: one call to the session, one request.
+        results = await self.backend.sample_group(prompt_ids, params, n)
+        return [SampleResult(list(r["tokens"]), r["logprobs"], "completed") for r in results]

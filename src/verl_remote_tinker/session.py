@@ -293,6 +293,13 @@ class TinkerSession:
             self.flusher = asyncio.ensure_future(self._flush_samples())
         return await waiter
 
+    async def sample_group(self, prompt: list[int], params: SamplingParams, n: int) -> list[dict[str, Any]]:
+        """``n`` responses to one prompt as one ``sample`` with ``num_samples`` (a GRPO group, asked for at once by
+        verl-remote's agent loop): each as :meth:`sample` answers."""
+        waiters: list[asyncio.Future[dict[str, Any]]] = [asyncio.get_running_loop().create_future() for _ in range(n)]
+        await self._sample_group(list(prompt), params, waiters)
+        return [await waiter for waiter in waiters]
+
     async def _flush_samples(self) -> None:
         await asyncio.sleep(COALESCE_S)
         waiting, self.waiting, self.flusher = self.waiting, {}, None

@@ -28,9 +28,9 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from verl_remote.discovery.registry import load_backend_class
 from verl_remote.integration.handoff import read as read_handoff
@@ -57,6 +57,8 @@ SAMPLE_RETRY_WINDOW_S = 60.0
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 
 class RemoteRolloutServer:
     """Runs as an async Ray actor; re-attaches to the backend through its handle."""
@@ -66,7 +68,8 @@ class RemoteRolloutServer:
         from verl_remote._deprecated import adapt_old_sample
 
         adapt_old_sample(cls)  # sample(prompt_ids, max_tokens, sampling_params), as before 0.1.0: warns, adapted
-        check_overrides(cls, RemoteRolloutServer, ("sample",))  # one that does not fit fails here, not in a step
+        # one that does not fit fails here, not in a step
+        check_overrides(cls, RemoteRolloutServer, ("sample", "sample_group"))
 
     def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int) -> None:
         self.config = rollout_config
@@ -139,15 +142,24 @@ class RemoteRolloutServer:
     async def generate_group(self, prompt_ids: list[int], sampling_params: dict[str, Any], n: int) -> list[Any]:
         """``n`` samples of one prompt in one call, each as :meth:`generate` makes it (as plain dicts of verl's
         ``TokenOutput`` fields): verl-remote's agent loop asks for a prompt's group at once, one Ray call instead of
-        ``n``. The samples are sampled concurrently (a backend that merges a prompt's requests, as verl-remote-tinker
-        does, sends them as one); the first failure fails the group, as one failed sample fails it in verl."""
+        ``n``, and the backend samples them with :meth:`sample_group` (one request for the group where the service
+        takes one, as verl-remote-tinker's does). A failure fails the group, as one failed sample fails it in verl;
+        a transient one sends the group again, as :meth:`generate` sends a sample again."""
         prompt_ids = [int(t) for t in prompt_ids]
+        first_version = self.global_steps
+        self.inflight += n
+        self.idle.clear()
         try:
-            parsed = self._params(prompt_ids, sampling_params)
-        except Exception as exc:  # each sample fails as one request would
+            params = self._params(prompt_ids, sampling_params)
+            results = await self._retrying(lambda: self.sample_group_within_contract(prompt_ids, params, n))
+        except Exception as exc:  # each of its samples failed, as n requests would have
             self.failures.extend([(one_line(exc), is_transient(exc))] * n)
             raise
-        return list(await asyncio.gather(*(self._generated(prompt_ids, sampling_params, parsed) for _ in range(n))))
+        finally:
+            self.inflight -= n
+            if self.inflight == 0:
+                self.idle.set()
+        return [self._fields(result, first_version) for result in results]
 
     def _params(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> SamplingParams:
         return SamplingParams.from_verl(
@@ -156,18 +168,15 @@ class RemoteRolloutServer:
             stop_token_ids=self.stop_token_ids,
         )
 
-    async def _generated(
-        self, prompt_ids: list[int], sampling_params: dict[str, Any], parsed: SamplingParams | None = None
-    ) -> dict[str, Any]:
-        """One sample's ``TokenOutput`` fields: its tokens, their log-probs, its stop reason and weights versions
-        (``parsed``: ``sampling_params`` parsed already, for a group's samples)."""
+    async def _generated(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        """One sample's ``TokenOutput`` fields: its tokens, their log-probs, its stop reason and weights versions."""
         # The weights versions this request may have sampled from: an overlapped run publishes a new one while
         # requests sample (verl's trajectory_staleness metrics read the range).
         first_version = self.global_steps
         self.inflight += 1
         self.idle.clear()
         try:
-            params = parsed if parsed is not None else self._params(prompt_ids, sampling_params)
+            params = self._params(prompt_ids, sampling_params)
             result = await self._sample_retrying(prompt_ids, params)
         except Exception as exc:
             # verl's agent loop logs the exception and counts the prompt as failed; the trainer asks for the
@@ -178,6 +187,9 @@ class RemoteRolloutServer:
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle.set()
+        return self._fields(result, first_version)
+
+    def _fields(self, result: SampleResult, first_version: int) -> dict[str, Any]:
         return {
             "token_ids": result.token_ids,
             "log_probs": result.log_probs,
@@ -192,10 +204,15 @@ class RemoteRolloutServer:
     async def _sample_retrying(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         """:meth:`sample_within_contract`, sent again after a transient fault (:data:`SAMPLE_ATTEMPTS`, within
         :data:`SAMPLE_RETRY_WINDOW_S`)."""
+        return await self._retrying(lambda: self.sample_within_contract(prompt_ids, params))
+
+    async def _retrying(self, request: Callable[[], Awaitable[_T]]) -> _T:
+        """``request()``, sent again after a transient fault (:data:`SAMPLE_ATTEMPTS`, within
+        :data:`SAMPLE_RETRY_WINDOW_S`)."""
         began = time.monotonic()
         for attempt in range(SAMPLE_ATTEMPTS):
             try:
-                return await self.sample_within_contract(prompt_ids, params)
+                return await request()
             except Exception as exc:
                 late = time.monotonic() - began > SAMPLE_RETRY_WINDOW_S
                 if attempt + 1 >= SAMPLE_ATTEMPTS or late or not is_transient(exc):
@@ -220,6 +237,22 @@ class RemoteRolloutServer:
     async def sample_within_contract(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         """:meth:`sample`, cut to the contract (:func:`within_contract`): what verl receives."""
         return within_contract(await self.sample(prompt_ids, params), params)
+
+    async def sample_group_within_contract(
+        self, prompt_ids: list[int], params: SamplingParams, n: int
+    ) -> list[SampleResult]:
+        """:meth:`sample_group`, each sample cut to the contract; ``ValueError`` when it answers with another
+        number of samples than ``n``."""
+        results = list(await self.sample_group(prompt_ids, params, n))
+        if len(results) != n:
+            raise ValueError(f"{type(self).__name__}.sample_group answered {len(results)} samples, {n} were asked")
+        return [within_contract(result, params) for result in results]
+
+    async def sample_group(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SampleResult]:
+        """``n`` independent samples of one prompt (a GRPO group). Optional: the default calls :meth:`sample` ``n``
+        times at once; a service that samples a group in one request (Tinker's ``num_samples``, vLLM's ``n``)
+        overrides it to send one."""
+        return list(await asyncio.gather(*(self.sample(prompt_ids, params) for _ in range(n))))
 
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         """Sample one response from the backend; the one method a backend's server implements.

@@ -118,3 +118,20 @@ def test_verls_own_launcher_refuses_them_too_when_it_builds_the_trainer_before_t
         with pytest.raises(ValueError) as raised:
             RemotePPOTrainer(config)
         assert str(raised.value).startswith(f"algorithm.adv_estimator={estimator} needs {needs}"), raised.value
+
+
+def test_a_name_is_checked_against_verls_registries_as_they_are_a_registered_one_passes() -> None:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_adv_est, register_policy_loss
+
+    from verl_remote.integration.names import unknown_name_problem
+
+    config = _run_config("algorithm.adv_estimator=my_estimator", "actor_rollout_ref.actor.policy_loss.loss_mode=mine")
+    assert str(unknown_name_problem(config)).startswith("algorithm.adv_estimator=my_estimator: verl has no ")
+    try:  # what a user's module registers is verl's from then on
+        register_adv_est("my_estimator")(lambda **kwargs: None)
+        assert str(unknown_name_problem(config)).startswith("actor_rollout_ref.actor.policy_loss.loss_mode=mine: ")
+        register_policy_loss("mine")(POLICY_LOSS_REGISTRY["vanilla"])
+        assert unknown_name_problem(config) is None
+    finally:
+        ADV_ESTIMATOR_REGISTRY.pop("my_estimator", None)
+        POLICY_LOSS_REGISTRY.pop("mine", None)

@@ -88,13 +88,61 @@ def test_numbers_out_of_range_are_refused_with_the_key_the_value_and_the_range(o
 @pytest.mark.parametrize(
     "override",
     ["actor_rollout_ref.rollout.n=1.5", "data.train_batch_size=16.5", "data.train_batch_size=16.0",
-     "trainer.save_freq=2.5", "actor_rollout_ref.rollout.top_k=0.5"],
+     "trainer.save_freq=2.5", "actor_rollout_ref.rollout.top_k=0.5",
+     # integer keys outside the range table: by their default, or among the keys whose default is null
+     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2.5",
+     "actor_rollout_ref.rollout.agent.num_workers=0.5",
+     "data.dataloader_num_workers=1.5", "trainer.log_val_generations=0.5"],
 )  # fmt: skip
 def test_a_fraction_where_verl_counts_is_refused_naming_the_key(override: str) -> None:
     key, value = override.split("=")
     with pytest.raises(PreflightError) as refused:
         check_numbers(compose_config([override]), compose_config())
     assert str(refused.value).startswith(f"{key}={float(value)}: not an integer; expected ")
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["actor_rollout_ref.actor.entropy_coeff=0.001", "actor_rollout_ref.rollout.top_p=0.9",
+     "actor_rollout_ref.rollout.val_kwargs.temperature=0.7", "remote_restart.backoff_s=0.5",
+     "remote_backend.num_cpus=0.5", "ray_kwargs.ray_init.num_cpus=4"],
+)  # fmt: skip
+def test_a_fraction_where_verl_reads_a_number_passes(override: str) -> None:
+    defaults = compose_config(["remote_backend=local"])
+    check_numbers(compose_config(["remote_backend=local", override]), defaults)
+
+
+def test_the_fractional_keys_are_those_verl_types_as_floats() -> None:
+    """Every key whose default is an integer but whose field in verl's config dataclass is typed ``float`` is in
+    FRACTIONAL_KEYS, and every key of FRACTIONAL_KEYS in such a dataclass is typed so: a verl that retypes a field
+    fails here rather than refusing a good value or passing a fraction."""
+    import importlib
+    import typing
+
+    from omegaconf import DictConfig
+
+    from verl_remote.cli.preflight import FRACTIONAL_KEYS
+
+    typed: dict[str, Any] = {}
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        hints: dict[str, Any] | None = None
+        if "_target_" in node:
+            module, _, name = str(node["_target_"]).rpartition(".")
+            hints = typing.get_type_hints(getattr(importlib.import_module(module), name))
+        for key in node:
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                walk(child, f"{prefix}{key}.")
+            elif hints is not None and key in hints and not child._is_missing():
+                value = node[key]
+                if isinstance(value, int) and not isinstance(value, bool):
+                    typed[f"{prefix}{key}"] = hints[key]
+
+    walk(compose_config(["remote_backend=local"]), "")
+    as_floats = {key for key, hint in typed.items() if "float" in str(hint)}
+    assert len(typed) > 50  # verl's dataclasses were read
+    assert as_floats == {key for key in FRACTIONAL_KEYS if key in typed}
 
 
 def test_every_ranged_key_is_one_verl_has_and_the_defaults_and_the_edges_pass() -> None:
@@ -151,6 +199,28 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
         (["actor_rollout_ref.rollout.n=1.5"], "actor_rollout_ref.rollout.n=1.5: not an integer; expected an integer"),
         (["data.train_batch_size=16.5"], "data.train_batch_size=16.5: not an integer; expected an integer >= 1"),
         (["trainer.save_freq=0"], "trainer.save_freq=0: out of range; expected -1 (never), or an integer >= 1"),
+        (
+            ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2.5"],
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2.5: not an integer; expected an integer",
+        ),
+        (
+            ["actor_rollout_ref.rollout.agent.num_workers=0.5"],
+            "actor_rollout_ref.rollout.agent.num_workers=0.5: not an integer; expected an integer",
+        ),
+        # A name verl's registries do not have, with the nearest (verl finds out at the first step).
+        (
+            ["algorithm.adv_estimator=grop"],
+            "algorithm.adv_estimator=grop: verl has no advantage estimator of that name; did you mean grpo",
+        ),
+        (
+            ["algorithm.adv_estimator=ppo"],
+            "algorithm.adv_estimator=ppo: verl has no advantage estimator of that name; PPO's is gae",
+        ),
+        (
+            ["actor_rollout_ref.actor.policy_loss.loss_mode=gpsoo"],
+            "actor_rollout_ref.actor.policy_loss.loss_mode=gpsoo:"
+            " verl has no policy loss of that name; did you mean gspo",
+        ),
         (["trainer.test_freq=0"], "trainer.test_freq=0: out of range; expected -1 (never), or an integer >= 1"),
         (
             ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],

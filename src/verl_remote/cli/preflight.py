@@ -31,6 +31,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from verl_remote.discovery.compose import ConfigError
 
 __all__ = [
+    "FRACTIONAL_KEYS",
     "NUMERIC_KEYS",
     "RANGES",
     "PreflightError",
@@ -59,6 +60,26 @@ NUMERIC_KEYS = (
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.max_model_len",
 )
+#: Keys whose default is an integer but that verl reads as numbers: its config dataclasses type them ``float``
+#: (tests/test_preflight.py holds this list to verl's annotations), or they count seconds. Every other key whose
+#: default is an integer is one: a fraction there is refused.
+FRACTIONAL_KEYS = frozenset(
+    {
+        "actor_rollout_ref.actor.entropy_coeff",
+        "actor_rollout_ref.rollout.top_p",
+        "actor_rollout_ref.rollout.over_sample_rate",
+        "actor_rollout_ref.rollout.val_kwargs.temperature",
+        "reward.reward_model.rollout.top_p",
+        "actor_rollout_ref.nccl_timeout",
+        "trainer.esi_redundant_time",
+        "trainer.ray_wait_register_center_timeout",
+        "remote_restart.backoff_s",
+        "remote_restart.max_backoff_s",
+    }
+)
+#: Sections whose numbers are not verl's: the backend's settings (its own validation types them: Ray's
+#: ``num_cpus`` may be a fraction) and Ray's keyword arguments.
+_NOT_VERLS = ("remote_backend.", "ray_kwargs.")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -78,7 +99,8 @@ def _number(value: Any) -> bool:
 
 
 def check_types(config: DictConfig, defaults: DictConfig) -> None:
-    """A key verl computes with must hold a number: its default's type, or :data:`NUMERIC_KEYS`."""
+    """A key verl computes with must hold a number: its default's type, or :data:`NUMERIC_KEYS`; an integer where
+    the default is one (but :data:`FRACTIONAL_KEYS` and the backend's settings), as verl counts with it."""
     typed = {key: value for key, value in leaves(defaults) if _number(value) or isinstance(value, bool)}
     for key in NUMERIC_KEYS:
         typed.setdefault(key, 0)
@@ -92,6 +114,14 @@ def check_types(config: DictConfig, defaults: DictConfig) -> None:
         elif not _number(value):
             kind = "an integer" if isinstance(default, int) else "a number"
             raise PreflightError(f"{key}={value!r}: expected {kind}; set {key}=<{kind.split()[-1]}>")
+        elif (
+            isinstance(default, int)
+            and isinstance(value, float)
+            and key not in FRACTIONAL_KEYS
+            and not key.startswith(_NOT_VERLS)
+        ):
+            words = next((words for ranged, _, words in RANGES if ranged == key), "an integer")
+            raise PreflightError(f"{key}={value}: not an integer; expected {words}")
 
 
 #: Keys verl computes with and the values that make sense: (key, test, the valid range in words). A value

@@ -160,7 +160,13 @@ def prepare_config(config: DictConfig) -> DictConfig:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_remote.integration.names import ASYNC_MODE, MODE, ROLLOUT_NAME, estimator_problem
+    from verl_remote.integration.names import (
+        ASYNC_MODE,
+        MODE,
+        ROLLOUT_NAME,
+        estimator_problem,
+        unknown_name_problem,
+    )
     from verl_remote.integration.old_log_probs import old_log_probs_problem
     from verl_remote.runtime.record import resume_problem
 
@@ -171,7 +177,7 @@ def prepare_config(config: DictConfig) -> DictConfig:
             f"trainer.v1.trainer_mode must be '{MODE}' (synchronous) or '{ASYNC_MODE}' (the next step samples while "
             f"this one trains) for verl-remote (got {config.trainer.v1.trainer_mode!r})"
         )
-    if problem := estimator_problem(config) or old_log_probs_problem(config):
+    if problem := unknown_name_problem(config) or estimator_problem(config) or old_log_probs_problem(config):
         raise ConfigError(problem)
     if problem := resume_problem(config):
         raise ConfigError(problem)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from verl_remote.kit.config import OVERLAPPED_MODE
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "RESTARTS",
     "ROLLOUT_NAME",
     "estimator_problem",
+    "unknown_name_problem",
 ]
 
 MODE = "remote"  # trainer.v1.trainer_mode
@@ -63,6 +66,30 @@ def estimator_problem(config: Any) -> str | None:
             f"algorithm.adv_estimator={estimator} needs {ESTIMATORS_V1_CANNOT_FEED[estimator]}: use one that needs "
             f"only the rewards ({ESTIMATORS_ON_REWARDS})"
         )
+    return None
+
+
+def unknown_name_problem(config: Any) -> str | None:
+    """An advantage estimator or a policy loss verl has no such name for, in one line with the nearest names; None
+    when verl has both (read from verl's own registries, which a run's imports may have added to). verl itself
+    finds out only at the first step's advantage, or the first update."""
+    import difflib
+
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
+
+    estimators = set(ADV_ESTIMATOR_REGISTRY) | {estimator.value for estimator in AdvantageEstimator}
+    for key, known, what in (
+        ("algorithm.adv_estimator", estimators, "advantage estimator"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", set(POLICY_LOSS_REGISTRY), "policy loss"),
+    ):
+        name = OmegaConf.select(config, key, default=None)
+        if name is None or str(name) in known:
+            continue
+        near = difflib.get_close_matches(str(name), sorted(known), n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(near)}? " if near else ""
+        if key == "algorithm.adv_estimator" and str(name).lower() == "ppo":  # verl's PPO is GAE with a critic
+            hint = "PPO's is gae, which needs a critic no verl-remote backend trains; GRPO's is grpo. "
+        return f"{key}={name}: verl has no {what} of that name; {hint}verl's: {', '.join(sorted(known))}"
     return None
 
 

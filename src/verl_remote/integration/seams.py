@@ -234,8 +234,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam("verl.utils.metric:Metric", "the loss's metrics"),
     Seam(
         "verl.trainer.ppo.core_algos:POLICY_LOSS_REGISTRY",
-        "the policy losses the gradient check compares (verl-remote check --losses)",
+        "the policy losses the gradient check compares (verl-remote check --losses), and a run's loss mode checked",
     ),
+    Seam("verl.trainer.ppo.core_algos:ADV_ESTIMATOR_REGISTRY", "a run's advantage estimator checked"),
+    Seam("verl.trainer.ppo.core_algos:AdvantageEstimator", "a run's advantage estimator checked"),
     Seam("verl.utils.config:omega_conf_to_dataclass", "verl's actor config as its dataclass", ("config",)),
     Seam("verl.workers.config.optimizer:build_optimizer", "the local engine's optimizer", ("parameters", "config")),
     Seam(

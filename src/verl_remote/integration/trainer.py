@@ -304,7 +304,8 @@ class RemotePPOTrainer(PPOTrainerSync):
                     flush=True,
                 )
 
-            if problem := names.estimator_problem(config) or resume_problem(config) or old_log_probs_problem(config):
+            problem = names.unknown_name_problem(config) or names.estimator_problem(config)
+            if problem := problem or resume_problem(config) or old_log_probs_problem(config):
                 raise ValueError(problem)
             if problem := single_forwarder_problem(
                 config, self.backend_name, backend_class.requires_single_forwarder()

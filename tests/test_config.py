@@ -9,7 +9,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import ROOT
+from conftest import ROOT, last_line
 from verl_remote import BackendNotFoundError, DuplicateBackendError
 from verl_remote.discovery.compose import ConfigError, compose_config
 
@@ -185,6 +185,34 @@ def test_a_malformed_recipe_is_named_with_its_line_not_a_parser_traceback(tmp_pa
     recipe.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping of config keys, not a list"):
         compose_config([], recipe=recipe)
+
+
+@pytest.mark.faults
+def test_a_recipe_named_as_a_config_or_pulling_in_a_file_beside_it_is_said_in_its_own_terms(
+    tmp_path: Path, cli_main: Any
+) -> None:
+    """A recipe called verl_remote.yaml included itself (a RecursionError); one whose defaults name a file beside it
+    failed in Hydra's words, naming the temporary folder it was composed from."""
+    named = tmp_path / "verl_remote.yaml"
+    named.write_text("defaults:\n  - verl_remote\n  - _self_\ntrainer:\n  total_training_steps: 7\n")
+    assert compose_config([], recipe=named).trainer.total_training_steps == 7
+    beside = tmp_path / "mine.yaml"
+    beside.write_text("defaults:\n  - verl_remote\n  - common\n  - _self_\n")
+    (tmp_path / "common.yaml").write_text("trainer:\n  total_training_steps: 9\n")
+    code, _stdout, stderr = cli_main("config", "--recipe", str(beside))
+    assert code == 2
+    assert last_line(stderr) == (
+        f"verl-remote config: invalid config: recipe {beside}: its defaults list names 'common', a file beside it; a "
+        "recipe is read alone (a file beside it in a shared folder must not change a run): copy the keys of "
+        "common.yaml into the recipe"
+    )
+    (tmp_path / "common.yaml").unlink()  # nowhere: Hydra's words, with the recipe's own path
+    code, _stdout, stderr = cli_main("config", "--recipe", str(beside))
+    assert code == 2 and "Traceback" not in stderr
+    assert last_line(stderr).startswith(
+        f"verl-remote config: invalid config: recipe {beside}: its defaults list names 'common', a config neither "
+    )
+    assert "verl-remote-recipe-" not in stderr and "verl_remote_user_recipe" not in stderr
 
 
 def test_a_group_file_must_name_its_backend(tmp_path: Path) -> None:

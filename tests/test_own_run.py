@@ -289,8 +289,20 @@ def _refusals(task: OwnTask, tmp_path: Path) -> Iterator[tuple[list[str], str]]:
         f"reward.custom_reward_function.name=compute_score: {task.reward} has no 'compute_score' (it defines "
         "score_own_task); set reward.custom_reward_function.name",
     )
+    latin = tmp_path / "latin1_reward.py"  # saved by an editor in Latin-1: a traceback before
+    latin.write_bytes(b"def score_own_task(*args, **kwargs):\n    return len('caf\xe9')\n")
+    yield (
+        [model, train_files, val_files, f"reward.custom_reward_function.path={latin}", reward[1]],
+        f"reward.custom_reward_function.path={latin}, line 2: not UTF-8 (",
+    )
     import pandas as pd
 
+    empty = tmp_path / "empty.parquet"  # the columns verl needs, and no row
+    pd.read_parquet(task.train).iloc[:0].to_parquet(empty)
+    yield (
+        [model, f"data.train_files={empty}", val_files, *reward],
+        f"data.train_files={empty}: no rows, nothing to train on; point it at your data set",
+    )
     flat = tmp_path / "flat.parquet"
     pd.DataFrame({"prompt": ["a question"], "data_source": [DATA_SOURCE], "answer": ["x"]}).to_parquet(flat)
     yield (

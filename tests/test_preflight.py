@@ -406,3 +406,16 @@ def test_a_launched_arctic_service_whose_port_is_taken_is_refused(tmp_path: Path
         )
     assert code == 2, err[-2000:]
     assert f"port {port} is already taken" in last_line(err)
+
+
+def test_cuda_asked_of_a_machine_without_it_is_refused_before_ray(
+    cli_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local engine on ``cuda`` where torch sees none waited 600 s for a GPU Ray never had, then restarted."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's answer, on any machine
+    code, _out, err = cli_main("train", "remote_backend=local", "remote_backend.device=cuda")  # fails if Ray started
+    assert code == 2, err[-2000:]
+    assert "remote_backend.device=cuda: this machine has no CUDA device torch can use" in last_line(err)
+    assert last_line(err).endswith("set remote_backend.device=cpu, or auto (cuda where the run's Ray has a GPU)")

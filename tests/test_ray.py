@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,9 @@ def _add_through_handle(handle: dict[str, Any]) -> tuple[int, int]:
     return os.getpid(), ray.get(RayService.from_handle(handle).actor().add.remote(1))
 
 
-def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(ray_cluster: Any) -> None:
+def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(
+    ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import os
 
     from verl_remote.kit.service import RayService, ServiceStartError, resources
@@ -122,6 +125,24 @@ def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(ray_c
     # A constructor that raises fails the start, on the caller's side, in the constructor's words.
     with pytest.raises(ServiceStartError, match="_Counter failed to start: ValueError: start must be >= 0, got -1$"):
         RayService.start(_Counter, -1, num_cpus=0)
+
+    # A GPU no node has is refused at once, and a service Ray cannot place in its time is stopped: neither is a
+    # transient fault (a restart would wait for the same GPU, or as long again).
+    from verl_remote import is_transient
+    from verl_remote.kit import service as service_module
+
+    with pytest.raises(ServiceStartError, match=r"_Counter asks for 1 GPU and the Ray cluster has 0: ") as refused:
+        RayService.start(_Counter, 0, num_cpus=0, num_gpus=1)
+    assert not is_transient(refused.value)
+    monkeypatch.setattr(service_module, "START_TIMEOUT_S", 1.0)
+    unplaced = {"resources": {"verl_remote_no_such_resource": 1}}
+    with pytest.raises(ServiceStartError, match=r"_Counter did not start within 1 s \(Ray could not place it") as late:
+        RayService.start(_Counter, 0, prefix="unplaced", num_cpus=0, options=unplaced)
+    assert not is_transient(late.value)
+    deadline = time.monotonic() + 30  # killed: its name goes once Ray has it
+    while any(a["name"].startswith("unplaced") for a in ray_cluster.util.list_named_actors(all_namespaces=True)):
+        assert time.monotonic() < deadline, "the unplaced service was left waiting"
+        time.sleep(0.2)
 
     assert resources(OmegaConf.create({"num_cpus": 2})) == {"num_cpus": 2.0, "num_gpus": 0.0}
     assert resources({}) == {"num_cpus": 1.0, "num_gpus": 0.0}

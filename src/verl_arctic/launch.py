@@ -26,7 +26,15 @@ import httpx
 
 from verl_remote import service_environment
 
-__all__ = ["launch_argv", "launch_server", "require_free_port", "stop_server"]
+__all__ = ["LaunchTimeoutError", "launch_argv", "launch_server", "require_free_port", "stop_server"]
+
+
+class LaunchTimeoutError(TimeoutError):
+    """A launched server that was not healthy within its start-up time: never a transient fault
+    (``verl_remote.is_transient`` reads ``transient``), as a restart would wait as long again."""
+
+    transient = False
+
 
 #: How long a launched service has to end after SIGTERM before its group gets SIGKILL.
 STOP_GRACE_S = 30.0
@@ -178,7 +186,8 @@ def launch_server(command: str, url: str, timeout: float, keep_env: Sequence[str
             pass
         if time.monotonic() > deadline:
             stop_server(proc)
-            raise TimeoutError(
-                f"the Arctic server started with {command!r} was not healthy at {url} after {timeout:.0f}s"
+            raise LaunchTimeoutError(
+                f"the Arctic server started with {command!r} was not healthy at {url} after {timeout:.0f}s; "
+                "raise remote_backend.comms.startup_timeout_s if it needs longer"
             )
         time.sleep(0.5)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import cli, free_port, last_line
-from verl_arctic.launch import launch_server, stop_server
+from verl_arctic.launch import LaunchTimeoutError, launch_server, stop_server
 from verl_arctic.record import POINTER_FILE
 from verl_remote.demo.assets import ensure_demo_assets
 from verl_remote.runtime.checkpoints import seal
@@ -131,3 +131,32 @@ def test_export_never_starts_the_program_a_run_folder_records_unless_the_command
     assert planted.exists(), named.stdout + named.stderr[-2000:]
     assert named.returncode == 1 and "exited with code 0 before becoming healthy" in named.stderr, named.stderr[-2000:]
     assert "the run's record names a program" not in named.stdout
+
+
+def test_a_launch_never_healthy_times_out_as_no_transient_fault_and_is_stopped() -> None:
+    """A start-up timeout is not a fault of the moment: a restart would wait as long again (issue: three restarts of
+    a 600 s wait). The launched program is stopped with its group."""
+    from verl_remote import is_transient
+
+    url = f"http://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    with pytest.raises(
+        LaunchTimeoutError, match=r"was not healthy at .* after 2s; raise remote_backend\.comms"
+    ) as late:
+        launch_server("sleep 60", url, timeout=2)
+    assert time.monotonic() - began < 15
+    assert not is_transient(late.value)
+    assert not any(_running(pid) for pid in _sleeping("sleep 60"))
+
+
+def _sleeping(command: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+            if cmdline == command:
+                pids.append(int(entry.name))
+    return pids

@@ -93,12 +93,15 @@ def _check_columns(key: str, path: str, prompt_key: str, reward_columns: bool) -
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.read_schema(path)
+        metadata = pq.read_metadata(path)
     except (OSError, pa.ArrowException) as exc:
         raise PreflightError(
             f"{key}={path}: not a parquet file verl can read ({exc}); write it with pandas' "
             "DataFrame.to_parquet (docs/user-guide.md, 'Your data')"
         ) from exc
+    if metadata.num_rows == 0:  # before its columns: an empty column's type says nothing of the data
+        raise PreflightError(f"{key}={path}: no rows, nothing to train on; point it at your data set")
+    schema = metadata.schema.to_arrow_schema()
     names = set(schema.names)
     needed = [prompt_key, *(REWARD_COLUMNS if reward_columns else ())]
     missing = [column for column in needed if column not in names]
@@ -129,8 +132,16 @@ def _check_columns(key: str, path: str, prompt_key: str, reward_columns: bool) -
 def _defined(path: str, name: str) -> None:
     """The reward file parses and binds ``name`` at its top level (a function, an import, an assignment)."""
     try:
-        tree = ast.parse(Path(path).read_text(), filename=path)
+        tree = ast.parse(Path(path).read_bytes(), filename=path)  # Python's own reading: a coding line, else UTF-8
+    except UnicodeDecodeError as exc:  # ast raises SyntaxError for most bad bytes, this for some
+        raise PreflightError(
+            f"{REWARD_KEY}={path}: not UTF-8 (byte {exc.start}: {exc.reason}); save it as UTF-8, as Python reads it"
+        ) from None
     except SyntaxError as exc:
+        if "codec can't decode" in str(exc.msg) or "encoding problem" in str(exc.msg):
+            raise PreflightError(
+                f"{REWARD_KEY}={path}, line {exc.lineno}: not UTF-8 ({exc.msg}); save it as UTF-8, as Python reads it"
+            ) from None
         raise PreflightError(f"{REWARD_KEY}={path}, line {exc.lineno}: not valid Python: {exc.msg}") from None
     bound: list[str] = []
     for node in tree.body:
@@ -269,6 +280,10 @@ def _check_enough_rows(config: DictConfig, train: DataFiles) -> None:
     if isinstance(limit, int) and limit > 0:
         rows = min(rows, limit)
     batch = OmegaConf.select(config, "data.train_batch_size", default=None)
+    if rows == 0:
+        raise PreflightError(
+            f"{train.key}={train.value}: no rows, so there is nothing to train on; point it at a data set"
+        )
     if isinstance(batch, int) and rows < batch:
         raise PreflightError(
             f"data.train_batch_size={batch}: {train.key}={train.value} has {rows} rows, fewer than one step's "

@@ -142,10 +142,11 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
         # The recipe alone, from a folder of its own: Hydra searches the primary config's folder before every
         # installed group, so a remote_backend/arctic.yaml planted beside a recipe in a shared folder would replace
         # the installed one (and its launch: command would run). A recipe is one file.
+        # Under a name of its own: a recipe called verl_remote.yaml would otherwise include itself for verl-remote's.
         alone = tempfile.mkdtemp(prefix="verl-remote-recipe-")
-        shutil.copyfile(path, os.path.join(alone, path.name))
+        shutil.copyfile(path, os.path.join(alone, f"{RECIPE_NAME}.yaml"))
         context = initialize_config_dir(config_dir=alone, version_base=None)
-        config_name = path.stem
+        config_name = RECIPE_NAME
     words = [f"hydra.searchpath=[{','.join(_search_path())}]", *overrides]
 
     try:
@@ -154,7 +155,10 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
     except (HydraException, OmegaConfBaseException) as exc:
         unknown = _UNKNOWN_KEY.match(str(exc).strip())
         if unknown is None:
-            raise ConfigError(str(exc).strip()) from exc
+            said = str(exc).strip()
+            if alone is not None:
+                raise _recipe_error(said, Path(recipe).expanduser().resolve(), alone) from exc  # type: ignore[arg-type]
+            raise ConfigError(said) from exc
         others = [o for o in overrides if o.partition("=")[0] != unknown.group(1)]
         raise _unknown_key(unknown.group(1), others, recipe) from exc
     finally:
@@ -171,6 +175,31 @@ def compose_config(overrides: Sequence[str] = (), recipe: str | Path | None = No
         if name != choice:
             raise ConfigError(f"remote_backend/{choice}.yaml must set 'name: {choice}' (it sets {name!r})")
     return config
+
+
+#: The name a recipe file is composed under, in a folder of its own (:func:`compose_config`).
+RECIPE_NAME = "verl_remote_user_recipe"
+_MISSING_CONFIG = re.compile(r"Could not load '([^']+)'|Could not find '([^']+)'")
+
+
+def _recipe_error(said: str, path: Path, alone: str) -> ConfigError:
+    """Hydra's refusal of a recipe in the recipe's own terms: its file, not the folder it was composed from; and a
+    defaults entry that names a file beside it, which a recipe cannot pull in."""
+    said = said.replace(os.path.join(alone, f"{RECIPE_NAME}.yaml"), str(path)).replace(alone, str(path.parent))
+    said = said.replace(RECIPE_NAME, path.stem)
+    missing = _MISSING_CONFIG.search(said)
+    name = next((group for group in missing.groups() if group), None) if missing else None
+    if name is not None and any((path.parent / f"{name}{suffix}").is_file() for suffix in (".yaml", ".yml")):
+        return ConfigError(
+            f"recipe {path}: its defaults list names {name!r}, a file beside it; a recipe is read alone (a file "
+            f"beside it in a shared folder must not change a run): copy the keys of {name}.yaml into the recipe"
+        )
+    if name is not None:
+        return ConfigError(
+            f"recipe {path}: its defaults list names {name!r}, a config neither verl-remote nor verl has; a recipe "
+            "starts from verl_remote (or verl_remote_demo) and chooses a backend with 'override remote_backend: <name>'"
+        )
+    return ConfigError(f"recipe {path}: {said.splitlines()[0]}")
 
 
 # Hydra's words for an override of a key the config does not have, which it follows with a hint to add the key

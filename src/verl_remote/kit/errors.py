@@ -50,7 +50,12 @@ class UnsupportedVerlError(RuntimeError):
 
 
 class ServiceStartError(RuntimeError):
-    """A backend's service failed to start; the message ends with its exception, as ``Type: message``."""
+    """A backend's service failed to start; the message ends with its exception, as ``Type: message``.
+
+    Never a transient fault (:func:`verl_remote.is_transient`): a service that did not start, or did not start in
+    its time, would do the same after a restart."""
+
+    transient = False
 
 
 def root_cause(exc: BaseException) -> BaseException:

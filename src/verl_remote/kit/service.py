@@ -82,6 +82,13 @@ class RayService:
         """
         import ray
 
+        what = service_class.__name__
+        gpus = float(ray.cluster_resources().get("GPU", 0))
+        if num_gpus > gpus:  # Ray would wait for a GPU that no node of this cluster has
+            raise ServiceStartError(
+                f"the backend's service {what} asks for {num_gpus:g} GPU and the Ray cluster has {gpus:g}: run it "
+                "where Ray sees a GPU, or set the backend's device to cpu"
+            )
         name = f"{prefix or service_class.__name__.lower()}_{uuid.uuid4().hex[:8]}"
         namespace = ray.get_runtime_context().namespace
         actor = (
@@ -91,6 +98,13 @@ class RayService:
         )
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            raise ServiceStartError(
+                f"the backend's service {what} did not start within {START_TIMEOUT_S:g} s (Ray could not place it "
+                f"with num_cpus={num_cpus:g}, num_gpus={num_gpus:g}{', ' + str(options) if options else ''}, or its "
+                "constructor did not return): see `ray status` for what the cluster has"
+            ) from None
         except ray.exceptions.RayActorError as exc:
             if not getattr(exc, "_actor_init_failed", False):
                 raise

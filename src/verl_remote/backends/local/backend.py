@@ -126,10 +126,23 @@ class LocalBackend(RemoteBackend):
 
     @classmethod
     def preflight(cls, main_config: Any) -> None:
-        """remote_backend.sampler: a known value, and for vLLM, an install that loads and a model it can run."""
+        """remote_backend.device: CUDA on this machine where the run's Ray is its own and asks for it (a cluster's
+        GPUs are its nodes': the engine's start refuses a cluster without one); remote_backend.sampler: a known
+        value, and for vLLM, an install that loads and a model it can run."""
+        device = str(main_config.remote_backend.get("device", "auto"))
+        address = OmegaConf.select(main_config, "ray_kwargs.ray_init.address", default=None)
+        own_ray = (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+        if device.startswith("cuda") and own_ray:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"remote_backend.device={device}: this machine has no CUDA device torch can use "
+                    f"(torch {torch.__version__}, torch.cuda.is_available() is false); set remote_backend.device=cpu, "
+                    "or auto (cuda where the run's Ray has a GPU)"
+                )
         setting = str(main_config.remote_backend.get("sampler", "hf"))
         if resolve_sampler(setting)[0] == "vllm":
-            device = str(main_config.remote_backend.get("device", "auto"))
             problem = vllm_model_problem(str(main_config.actor_rollout_ref.model.path), device)
             if problem is not None:
                 raise ValueError(f"remote_backend.sampler={setting}: {problem}")

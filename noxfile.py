@@ -80,13 +80,14 @@ INSTANT_BACKEND = str(ROOT / "benchmarks" / "instant-backend")
 def benchmarks(session: nox.Session) -> None:
     """The plugin's import cost, verl-remote's per-step overhead beside the backend's compute, how fast bad
     input is refused, the demo's start phase by phase, and the client's CPU a sample at 64, 512 and 4,096 samples
-    a step (about 20 minutes on 2 cores)."""
+    a step beside verl's agent loop's and a plain tinker-SDK loop's on SkyRL's Tinker server (about 30 minutes on 2
+    cores with the server's environment built)."""
     session.install("-c", CONSTRAINTS, "-c", TEST_CONSTRAINTS, *DISTRIBUTIONS, INSTANT_BACKEND)
     session.run("python", "benchmarks/plugin_import.py")
     session.run("python", "benchmarks/step_overhead.py")
     session.run("python", "benchmarks/refusal.py")
     session.run("python", "benchmarks/startup.py")
-    session.run("python", "benchmarks/client_cost.py")
+    session.run("python", "benchmarks/client_cost.py", "--sdk")
 
 
 @nox.session

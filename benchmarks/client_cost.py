@@ -1,7 +1,8 @@
 """What verl-remote costs the machine it runs on, per sample: every process's CPU-seconds a step, split into the
 client (verl and verl-remote: the driver, Ray's own processes, verl's workers) and the service.
 
-    python benchmarks/client_cost.py [--sizes 64 512 4096] [--backends instant local] [--steps 6] [--sdk]
+    python benchmarks/client_cost.py [--sizes 64 512 4096] [--backends instant local] [--steps 10]
+                                     [--verl-sizes 64 512] [--sdk] [--sdk-sizes 64 512] [--detail]
 
 Each run is the demo (its model, data and reward) with ``data.train_batch_size`` set for the size (8 samples a
 prompt, one optimizer step a training step), no validation and no checkpoints, on:
@@ -10,6 +11,10 @@ prompt, one optimizer step a training step), no validation and no checkpoints, o
   that what a step costs is the client's alone;
 - ``local``: the embedded local backend; its engine (``LocalEngineActor``: sampling and training the model) is
   the service.
+
+The baseline: the ``instant`` backend at each of ``--verl-sizes`` with verl's own agent-loop manager
+(``actor_rollout_ref.rollout.agent.agent_loop_manager_class`` set to verl's ``AgentLoopManagerTQ``: an agent-loop
+worker and a reward worker serving each sample), as every run was before verl-remote's own.
 
 Every process is read at each step's row; a step's CPU is the mean over the steps after the second. ``--sdk``
 also runs, on SkyRL's Tinker server (its environment built once), the plain tinker-SDK GRPO loop of
@@ -41,6 +46,10 @@ STEP_ROW = re.compile(r"^step (\d+)/\d+\s.*reward ")
 N = 8
 #: The processes that are the service, by backend (everything else of a run is the client).
 SERVICE = {"local": ("ray::LocalEngineActor",), "instant": (), "tinker": ()}
+#: The override that runs verl's own agent-loop manager (the baseline).
+VERL_AGENT_LOOP = (
+    "actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ"
+)
 #: verl's agent-loop worker, shown on its own.
 AGENT_LOOP = ("ray::AgentLoopWorkerTQ", "ray::AgentLoopWorker")
 
@@ -161,13 +170,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 512, 4096], help="samples a step")
     parser.add_argument("--backends", nargs="+", default=["instant", "local"], choices=["instant", "local"])
-    parser.add_argument("--steps", type=int, default=6, help="steps of each run (the first two are not counted)")
+    parser.add_argument("--steps", type=int, default=10, help="steps of each run (the first two are not counted)")
+    parser.add_argument("--verl-sizes", type=int, nargs="*", default=[64, 512], help="the baseline's samples a step")
     parser.add_argument("--sdk", action="store_true", help="also the SDK loop and the Tinker backend on SkyRL's")
     parser.add_argument("--sdk-sizes", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--detail", action="store_true", help="each run's CPU by process")
     parser.add_argument("overrides", nargs="*", help="overrides for every verl-remote run (after --)")
     args = parser.parse_args()
-    if any(size % N for size in args.sizes + args.sdk_sizes):
+    if any(size % N for size in args.sizes + args.verl_sizes + args.sdk_sizes):
         parser.error(f"sizes are samples a step: multiples of {N}")
 
     rows: list[tuple[str, Cost]] = []
@@ -176,6 +186,12 @@ def main() -> int:
             cost = run_verl_remote(backend, size, args.steps, args.overrides)
             print(f"{backend}, {size} samples: client {cost.ms(cost.client):.1f} ms/sample", file=sys.stderr)
             rows.append((f"verl-remote, {backend} backend", cost))
+    for size in args.verl_sizes:
+        cost = run_verl_remote("instant", size, args.steps, [VERL_AGENT_LOOP, *args.overrides])
+        print(
+            f"instant, verl's agent loop, {size} samples: client {cost.ms(cost.client):.1f} ms/sample", file=sys.stderr
+        )
+        rows.append(("verl-remote, instant backend, verl's agent loop (the baseline)", cost))
     if args.sdk:
         from verl_remote_tinker.testing.local_server import start_local_server
 

@@ -17,7 +17,9 @@ once and reused), then on it, one after the other:
 
 ``--also`` runs ``verl-remote train`` once more after the first, with those overrides added (say
 ``remote_old_log_probs.source=recompute``: a before and after on one server). Prints each one's median step time
-(the steps after the first 3) and its mean reward over the first and the last 3 steps. Needs verl-remote-tinker
+(the steps after the first 3) and its mean reward over the first and the last 3 steps, and each one's start-up:
+the seconds from its command to its first step's line and the CPU-seconds of its processes by then (the SDK loop
+runs as a process of its own, ``--sdk-only``, so that its imports count as verl-remote's do). Needs verl-remote-tinker
 (pip install ./dists/verl-remote-tinker). The figures of record are in docs/measurements.md.
 """
 
@@ -26,8 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +37,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from processes import Watched, watch
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "tinker-local-server.yaml"
 WARM_STEPS = 3  # the first steps compile the server's programs for their shapes: not counted in the median
+SDK_STEP = re.compile(r"^  sdk step (\d+)/\d+: ([\d.]+) s, reward ([-\d.]+)$")
+FIRST_STEP = {"sdk": re.compile(r"^  sdk step 1/"), "verl-remote": re.compile(r"^step 1/")}
 
 
 def demo_task() -> tuple[list[list[int]], list[str], dict[str, Any]]:
@@ -147,9 +153,10 @@ def verl_remote(url: str, steps: int, folder: Path, *also: str) -> tuple[list[fl
         *also,
     ]
     command = [sys.executable, "-c", cli, "train", "--recipe", str(RECIPE), *overrides]
-    done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=3600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"verl-remote train failed ({done.returncode}): {done.stderr.strip().splitlines()[-3:]}")
+    run = watch(command, cwd=str(folder), mark=FIRST_STEP["verl-remote"])
+    if run.code != 0:
+        raise RuntimeError(f"verl-remote train failed ({run.code}): {[line for _, line in run.lines[-3:]]}")
+    START_UP.append(("verl-remote train", first_step(run)))
     log = sorted((folder / "ckpt" / "logs").glob("train-*.log"))[-1].read_text()
 
     def metric(name: str) -> list[float]:
@@ -164,6 +171,29 @@ def verl_remote(url: str, steps: int, folder: Path, *also: str) -> tuple[list[fl
     return metric("timing_s/step"), metric("critic/score/mean")
 
 
+#: (name, (seconds to the first step's line, CPU-seconds of its processes by then)) of each run, in order.
+START_UP: list[tuple[str, tuple[float, float]]] = []
+
+
+def first_step(run: Watched) -> tuple[float, float]:
+    """Seconds from the command to its first step's line, and its processes' CPU-seconds then."""
+    if not run.marks:
+        raise RuntimeError("the run printed no first step")
+    at, cpu = run.marks[0]
+    return run.lines[at][0], sum(cpu.values())
+
+
+def sdk_process(url: str, steps: int, folder: Path) -> tuple[list[float], list[float]]:
+    """:func:`sdk_loop` as a process of its own (``--sdk-only``): each step's seconds and mean reward."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--sdk-only", url, "--steps", str(steps)]
+    run = watch(command, cwd=str(folder), mark=FIRST_STEP["sdk"], on_line=lambda line: print(line, flush=True))
+    if run.code != 0:
+        raise RuntimeError(f"the SDK loop failed ({run.code}): {[line for _, line in run.lines[-3:]]}")
+    START_UP.append(("tinker SDK loop", first_step(run)))
+    rows = [m for _, line in run.lines if (m := SDK_STEP.match(line))]
+    return [float(m.group(2)) for m in rows], [float(m.group(3)) for m in rows]
+
+
 def summary(name: str, times: list[float], rewards: list[float]) -> tuple[float, str]:
     median = statistics.median(times[WARM_STEPS:])
     first, last = statistics.mean(rewards[:3]), statistics.mean(rewards[-3:])
@@ -174,7 +204,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--also", nargs="+", default=[], metavar="OVERRIDE", help="a second verl-remote run's")
+    parser.add_argument("--sdk-only", metavar="URL", help=argparse.SUPPRESS)  # the SDK loop's own process
     args = parser.parse_args()
+    if args.sdk_only:
+        asyncio.run(sdk_loop(args.sdk_only, args.steps))
+        return
     if args.steps <= WARM_STEPS + 3:
         parser.error(f"--steps must be more than {WARM_STEPS + 3}")
     from verl_remote_tinker.testing.local_server import start_local_server
@@ -184,7 +218,7 @@ def main() -> None:
         start_local_server(workdir=Path(tmp) / "tinker-server") as server,
     ):
         print(f"SkyRL's Tinker server at {server.url}; the SDK loop, {args.steps} steps", flush=True)
-        sdk = asyncio.run(sdk_loop(server.url, args.steps))
+        sdk = sdk_process(server.url, args.steps, Path(tmp))
         print(f"verl-remote train, {args.steps} steps", flush=True)
         folder = Path(tmp) / "verl-remote"
         folder.mkdir()
@@ -205,6 +239,12 @@ def main() -> None:
         also_s, also_row = summary(f"verl-remote train {' '.join(args.also)}", *also)
         print(also_row)
     print(f"\nverl-remote's step: {ours_s / sdk_s:.2f}x the SDK loop's")
+    print("\n| start-up | s to the first step's line | CPU-seconds by then |")
+    print("|---|---|---|")
+    for name, (seconds, cpu) in START_UP:
+        print(f"| {name} | {seconds:.1f} | {cpu:.1f} |")
+    (sdk_first, _), (ours_first, _) = START_UP[0][1], START_UP[1][1]
+    print(f"\nverl-remote's first step: {ours_first / sdk_first:.2f}x the SDK loop's")
     if args.also:
         print(f"verl-remote's step with {' '.join(args.also)}: {also_s / sdk_s:.2f}x the SDK loop's")
 

@@ -221,6 +221,13 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
             "actor_rollout_ref.actor.policy_loss.loss_mode=gpsoo:"
             " verl has no policy loss of that name; did you mean gspo",
         ),
+        # LoRA asked of a backend that trains every weight: it trained every weight, without a word.
+        (
+            ["actor_rollout_ref.model.lora_rank=8"],
+            "actor_rollout_ref.model.lora_rank=8: backend 'local' trains every weight of the model, not a LoRA "
+            "adapter; set actor_rollout_ref.model.lora_rank=0 for full fine-tuning, or use a backend that trains LoRA",
+        ),
+        (["actor_rollout_ref.model.lora.rank=4"], "actor_rollout_ref.model.lora.rank=4: backend 'local' trains every"),
         (["trainer.test_freq=0"], "trainer.test_freq=0: out of range; expected -1 (never), or an integer >= 1"),
         (
             ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],

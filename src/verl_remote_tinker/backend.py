@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 import httpx
+from omegaconf import OmegaConf
 
 from verl_remote import (
     RayService,
@@ -117,6 +118,9 @@ def _snapshot_setting(settings: dict[str, Any]) -> bool | str:
 
 class TinkerBackend(RemoteBackend):
     """Every process holds a handle to the run's one session actor."""
+
+    #: verl's ``actor_rollout_ref.model.lora_rank`` (or ``.lora.rank``) is the LoRA training client's rank.
+    verl_lora = True
 
     def __init__(self, service: RayService, reduction: str) -> None:
         self.service = service
@@ -287,7 +291,7 @@ def _validated(main_config: Any) -> dict[str, Any]:
         raise ValueError(refused)
     if warned:
         warnings.warn(warned, UserWarning, stacklevel=2)
-    _lora_rank(settings)
+    settings["lora_rank"] = _lora_rank(settings, main_config)
     check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
     _reduction_setting(settings)
     _snapshot_setting(settings)
@@ -309,16 +313,32 @@ def _base_url(settings: dict[str, Any]) -> str:
     )
 
 
-def _lora_rank(settings: dict[str, Any]) -> int:
-    """``remote_backend.lora_rank``: a LoRA adapter's rank, or 0 for full fine-tuning where the service offers it
-    (the Tinker API asks for it as a LoRA of rank 0)."""
+#: ``remote_backend.lora_rank`` in the group file (tests/tinker_service/test_tinker_mapping.py holds them equal).
+DEFAULT_LORA_RANK = 32
+
+
+def _lora_rank(settings: dict[str, Any], main_config: Any = None) -> int:
+    """The LoRA adapter's rank: verl's (``actor_rollout_ref.model.lora_rank`` or ``.lora.rank``) where it asks for
+    one, else ``remote_backend.lora_rank``, 0 asking for full fine-tuning where the service offers it (the Tinker
+    API asks for it as a LoRA of rank 0). Both set, to different ranks, is refused."""
     value = settings.get("lora_rank")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"remote_backend.lora_rank={value}: out of range; expected an integer >= 0 (a LoRA rank, or 0 for full "
             "fine-tuning where the service offers it)"
         )
-    return value
+    verls = 0
+    if main_config is not None:  # verl's keys: the older lora_rank, or lora.rank
+        keys = ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora.rank")
+        verls = max(int(OmegaConf.select(main_config, key, default=0) or 0) for key in keys)
+    if verls == 0 or verls == value:
+        return value
+    if value != DEFAULT_LORA_RANK:
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_rank={verls} and remote_backend.lora_rank={value} ask for two LoRA ranks; "
+            "set one of them (verl's is the Tinker backend's when it is set)"
+        )
+    return verls
 
 
 def _reduction_setting(settings: dict[str, Any]) -> str:

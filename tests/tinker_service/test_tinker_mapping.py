@@ -210,6 +210,32 @@ def test_preflight_refuses_a_lora_rank_that_is_not_an_integer_from_0(rank: Any) 
         TinkerBackend.preflight(_config(base_url="http://127.0.0.1:1", lora_rank=rank))
 
 
+def test_verls_lora_rank_is_the_adapters_and_two_ranks_are_refused() -> None:
+    """verl's actor_rollout_ref.model.lora_rank (or .lora.rank) asks for a LoRA adapter: the Tinker backend trains one
+    of that rank (it was ignored: a run asking for rank 8 trained rank 32); the backend's own setting, changed to
+    another rank beside it, is refused."""
+    import yaml
+
+    from verl_remote_tinker.backend import DEFAULT_LORA_RANK, TinkerBackend, _validated
+
+    shipped = yaml.safe_load((ROOT / "src" / "verl_remote_tinker" / "remote_backend" / "tinker.yaml").read_text())
+    assert shipped["lora_rank"] == DEFAULT_LORA_RANK
+    assert TinkerBackend.verl_lora
+
+    def settings(backend_rank: int, **model: Any) -> dict[str, Any]:
+        config = _config(base_url="http://127.0.0.1:1", lora_rank=backend_rank)
+        config.actor_rollout_ref.model = model
+        return _validated(config)
+
+    assert settings(DEFAULT_LORA_RANK)["lora_rank"] == DEFAULT_LORA_RANK  # verl's 0: the backend's own
+    assert settings(DEFAULT_LORA_RANK, lora_rank=8)["lora_rank"] == 8
+    assert settings(DEFAULT_LORA_RANK, lora_rank=0, lora={"rank": 4})["lora_rank"] == 4
+    assert settings(8, lora_rank=8)["lora_rank"] == 8
+    assert settings(0)["lora_rank"] == 0
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.lora_rank=8 and remote_backend.lora_rank=16 ask "):
+        settings(16, lora_rank=8)
+
+
 def test_preflight_names_an_address_where_nothing_answers(dead_url: str) -> None:
     with pytest.raises(ValueError, match=f"remote_backend.base_url={dead_url}: nothing answers there"):
         TinkerBackend.preflight(_config(base_url=dead_url))

@@ -139,7 +139,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         probe_service(composed, load_backend_class(str(backend_group.name)).probe_service)
     config = prepare_config(composed)
     backend = load_backend_class(str(config.remote_backend.name))
-    for note in mixed + run_preflight(config, backend.preflight, single_forwarder=backend.requires_single_forwarder()):
+    checked = run_preflight(
+        config, backend.preflight, single_forwarder=backend.requires_single_forwarder(), verl_lora=backend.verl_lora
+    )
+    for note in mixed + checked:
         print(f"verl-remote: {note}", flush=True)
     folder = str(config.trainer.default_local_dir)
     with hold_run_folder(folder):  # another run there: exit 2

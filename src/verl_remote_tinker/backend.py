@@ -30,7 +30,7 @@ from verl_remote import (
     resources,
     service_url,
 )
-from verl_remote_tinker.credentials import credentials_problem
+from verl_remote_tinker.credentials import credentials_problem, hosted_sdk_problem, sdk_reach
 
 __all__ = ["TinkerBackend", "check_objective", "loss_reduction"]
 
@@ -121,6 +121,10 @@ class TinkerBackend(RemoteBackend):
 
     #: verl's ``actor_rollout_ref.model.lora_rank`` (or ``.lora.rank``) is the LoRA training client's rank.
     verl_lora = True
+
+    @classmethod
+    def doctor_notes(cls) -> list[str]:
+        return [sdk_reach()]
 
     def __init__(self, service: RayService, reduction: str) -> None:
         self.service = service
@@ -286,11 +290,12 @@ def _validated(main_config: Any) -> dict[str, Any]:
     """``remote_backend`` as a dict, every setting and verl's objective checked: the one validation
     :meth:`TinkerBackend.preflight` (before Ray) and :meth:`TinkerBackend.from_config` share."""
     settings = as_dict(main_config.remote_backend)
-    refused, warned = credentials_problem(_base_url(settings), settings)
-    if refused:
-        raise ValueError(refused)
-    if warned:
-        warnings.warn(warned, UserWarning, stacklevel=2)
+    url = _base_url(settings)
+    for refused, warned in (credentials_problem(url, settings), hosted_sdk_problem(url)):
+        if refused:
+            raise ValueError(refused)
+        if warned:
+            warnings.warn(warned, UserWarning, stacklevel=2)
     settings["lora_rank"] = _lora_rank(settings, main_config)
     check_objective(as_dict(main_config.actor_rollout_ref.actor), as_dict(main_config.actor_rollout_ref.rollout))
     _reduction_setting(settings)

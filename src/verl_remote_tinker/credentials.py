@@ -1,15 +1,25 @@
 """The API key a run sends (``remote_backend.api_key_env`` or ``api_key_file``), and what is refused or warned
-about before Ray: a hosted service without a key, a key over plain http."""
+about before Ray: a hosted service without a key, a key over plain http, an SDK the hosted service refuses."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import urllib.parse
 from typing import Any
 
 from verl_remote import read_token, token_in_clear
 
-__all__ = ["HOSTED_DOMAINS", "NO_KEY", "api_key", "credentials_problem"]
+__all__ = [
+    "HOSTED_DOMAINS",
+    "HOSTED_SDK_FLOOR",
+    "NO_KEY",
+    "OPEN_SERVERS_SDK",
+    "api_key",
+    "credentials_problem",
+    "hosted_sdk_problem",
+    "sdk_reach",
+]
 
 #: Sent as the API key when no key is set (a local server checks none; the SDK refuses an empty one).
 NO_KEY = "tml-no-key-set"
@@ -17,6 +27,67 @@ NO_KEY = "tml-no-key-set"
 #: The domain of Thinking Machines' hosted Tinker (the SDK's default base URL, tinker 0.25 and 0.38
 #: ``_client.py``: https://tinker.thinkingmachines.dev/services/tinker-prod), which answers nothing without a key.
 HOSTED_DOMAINS = ("thinkingmachines.dev",)
+
+#: The oldest tinker SDK hosted Tinker accepts (it refuses 0.27 and older), and the range it accepts with a
+#: deprecation warning (0.29 to 0.32); issue 55 of this project, from the hosted service's answers.
+HOSTED_SDK_FLOOR = (0, 28)
+HOSTED_SDK_WARNED = ((0, 29), (0, 32))
+#: What the open Tinker servers pin: SkyRL's (skyrl 0.4.0, ``tinker<0.26``) and the others that pin below 0.26.
+OPEN_SERVERS_SDK = "<0.26"
+#: The SDKs that reach hosted Tinker without a warning, within this distribution's range.
+HOSTED_SDK = ">=0.33,<0.39"
+
+
+def _installed_sdk() -> tuple[str, tuple[int, int]] | None:
+    try:
+        text = importlib.metadata.version("tinker")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    parts = [*text.split("."), "0", "0"][:2]
+    try:
+        return text, (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0))
+    except ValueError:
+        return None
+
+
+def hosted_sdk_problem(url: str) -> tuple[str | None, str | None]:
+    """(a refusal, a warning) for the installed tinker SDK against ``url``: hosted Tinker refuses 0.27 and older
+    (the run would fail at its first call, after Ray and verl started) and warns on 0.29 to 0.32."""
+    installed = _installed_sdk()
+    if not _hosted(url) or installed is None:
+        return None, None
+    text, at = installed
+    if at < HOSTED_SDK_FLOOR:
+        return (
+            f"remote_backend.base_url={url} is Thinking Machines' hosted Tinker, which refuses tinker SDK {text} (0.27 "
+            f"and older): pip install 'tinker{HOSTED_SDK}' (SkyRL's and the other open Tinker servers need "
+            f"tinker{OPEN_SERVERS_SDK}: keep them in an environment of their own)",
+            None,
+        )
+    if HOSTED_SDK_WARNED[0] <= at <= HOSTED_SDK_WARNED[1]:
+        return None, (
+            f"remote_backend.base_url={url}: hosted Tinker deprecates tinker SDK {text} (0.29 to 0.32); "
+            f"pip install 'tinker{HOSTED_SDK}'"
+        )
+    return None, None
+
+
+def sdk_reach() -> str:
+    """What the installed tinker SDK reaches, for ``verl-remote doctor``."""
+    installed = _installed_sdk()
+    if installed is None:
+        return "the tinker SDK is not installed: pip install verl-remote-tinker"
+    text, at = installed
+    if at < (0, 26):
+        reaches = "reaches SkyRL's and the other open Tinker servers (they pin tinker<0.26), not hosted Tinker"
+    elif at < HOSTED_SDK_FLOOR:
+        reaches = "reaches neither hosted Tinker (0.28 or newer) nor the open servers that pin tinker<0.26"
+    else:
+        reaches = "reaches hosted Tinker, not the open servers that pin tinker<0.26 (SkyRL's)"
+    return (
+        f"tinker SDK {text} {reaches}; hosted Tinker takes tinker{HOSTED_SDK} (0.28 or newer, 0.29 to 0.32 "
+        f"deprecated), the open servers tinker{OPEN_SERVERS_SDK}"
+    )
 
 
 def api_key(settings: dict[str, Any]) -> str:

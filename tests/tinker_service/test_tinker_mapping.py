@@ -323,6 +323,44 @@ def test_a_hosted_service_without_a_key_is_refused_a_key_file_is_read_and_a_clea
 
 
 @pytest.mark.faults
+@pytest.mark.parametrize(
+    ("installed", "refused", "warned"),
+    [("0.25.0", True, False), ("0.27.1", True, False), ("0.28.0", False, False), ("0.30.2", False, True),
+     ("0.38.0", False, False)],
+)  # fmt: skip
+def test_hosted_tinker_with_an_sdk_it_refuses_is_refused_before_ray_naming_the_floor(
+    installed: str, refused: bool, warned: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Hosted Tinker refuses tinker 0.27 and older (the run failed at its first call, after Ray and verl started)
+    and deprecates 0.29 to 0.32; a local or open server is not asked."""
+    import importlib.metadata
+
+    from verl_remote_tinker import credentials
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        credentials.importlib.metadata, "version", lambda name: installed if name == "tinker" else real(name)
+    )
+    hosted = "https://tinker.thinkingmachines.dev/services/tinker-prod"
+    said = credentials.hosted_sdk_problem(hosted)
+    assert (said[0] is not None, said[1] is not None) == (refused, warned)
+    if refused:
+        assert said[0] == (
+            f"remote_backend.base_url={hosted} is Thinking Machines' hosted Tinker, which refuses tinker SDK "
+            f"{installed} (0.27 and older): pip install 'tinker>=0.33,<0.39' (SkyRL's and the other open Tinker "
+            "servers need tinker<0.26: keep them in an environment of their own)"
+        )
+        key = tmp_path / "key"
+        key.write_text("tml-a-key\n")
+        with pytest.raises(ValueError, match="which refuses tinker SDK"):
+            TinkerBackend.preflight(_config(base_url=hosted, api_key_file=str(key)))
+    assert credentials.hosted_sdk_problem("http://127.0.0.1:8000") == (None, None)
+    reach = credentials.sdk_reach()
+    assert reach.startswith(f"tinker SDK {installed} reaches ")
+    assert ("not hosted Tinker" in reach) == (installed < "0.26")
+
+
+@pytest.mark.faults
 def test_a_probe_reads_an_answer_that_does_not_end_up_to_a_cap() -> None:
     from conftest import endless_answer
     from verl_remote_tinker.backend import ANSWER_CAP_BYTES, serves_skyrl

@@ -114,6 +114,15 @@ def _backend_checks(report: BackendReport) -> Iterator[Check]:
         return
     yield Check(f"{label} loads", True, "spec, backend, worker and rollout classes import")
     yield _check_group(report.installed.name)
+    from verl_remote.discovery.registry import load_backend_class
+
+    try:
+        notes = load_backend_class(report.installed.name).doctor_notes()
+    except Exception as exc:
+        yield Check(f"{label} says what it reaches", False, f"its doctor_notes() failed: {one_line(exc)}")
+        return
+    for note in notes:
+        yield Check(f"{label} reaches", True, note)
 
 
 def _check_group(name: str) -> Check:

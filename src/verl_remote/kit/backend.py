@@ -98,6 +98,13 @@ class RemoteBackend(abc.ABC):
         return None
 
     @classmethod
+    def doctor_notes(cls) -> list[str]:
+        """Lines ``verl-remote doctor`` shows under the backend: what this environment reaches that a user cannot
+        see otherwise (verl-remote-tinker: which services its installed SDK reaches). Optional: the default says
+        nothing. Import nothing slow; reach no service."""
+        return []
+
+    @classmethod
     def preflight(cls, main_config: Any) -> None:
         """Check, in seconds and before anything starts, what :meth:`from_config` will need.
 

@@ -329,6 +329,41 @@ def test_mixed_runs_and_data_without_a_reward_are_refused_before_ray_naming_the_
     assert not demo_cache.exists()  # the demo's files were not made for any of them
 
 
+def test_a_recipe_from_the_demo_with_the_users_own_data_is_refused_naming_the_demo(
+    own_task: OwnTask, tmp_path: Path, demo_cache: Path, cli_main: Any
+) -> None:
+    """A shipped recipe starts from the demo's settings: with the user's own model, data and reward it gave 16-token
+    prompts, 8-token answers, lr 0.005 and 40 steps without a word (config --resolve and train alike)."""
+    own = [
+        f"actor_rollout_ref.model.path={own_task.model}",
+        f"data.train_files={own_task.train}",
+        f"data.val_files={own_task.val}",
+        f"reward.custom_reward_function.path={own_task.reward}",
+        "reward.custom_reward_function.name=score_own_task",
+    ]
+    recipe = ROOT / "configs" / "grpo-kl.yaml"
+    expected = (
+        f"recipe {recipe} starts from the demo's settings (verl_remote_demo: data.max_prompt_length=16, "
+        "data.max_response_length=8, actor_rollout_ref.actor.optim.lr=0.005, trainer.total_training_steps=40), made "
+        f"for the demo's tiny model, but data.train_files={own_task.train} is data of your own: start the recipe "
+        "from verl_remote, verl's defaults (defaults: [verl_remote, _self_]), and set what your run needs "
+        "(configs/README.md)"
+    )
+    for verb in (("config", "--resolve"), ("train",)):
+        code, _out, err = cli_main(*verb, "--recipe", str(recipe), *own)
+        assert code == 2, err[-2000:]
+        assert last_line(err).endswith(expected), last_line(err)
+    code, _out, err = cli_main("config", "--recipe", "demo", *own)
+    assert code == 2 and "--recipe demo starts from the demo's settings" in last_line(err)
+    # The same recipe from verl_remote: verl's defaults, and the run's own settings.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(recipe.read_text().replace("- verl_remote_demo ", "- verl_remote "))
+    code, out, err = cli_main("config", "--recipe", str(mine), *own)
+    assert code == 0, err[-2000:]
+    assert "max_prompt_length: 512" in out and "use_kl_loss: true" in out
+    assert not demo_cache.exists()
+
+
 def test_the_users_model_on_the_demos_task_is_a_mix_said_in_one_line(
     own_task: OwnTask, tmp_path: Path, cli_main: Any
 ) -> None:

@@ -54,11 +54,14 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from verl_remote.demo import recipe_for
-    from verl_remote.discovery.compose import compose_config
+    from verl_remote.demo import demo_recipe_problem, recipe_for
+    from verl_remote.discovery.compose import ConfigError, compose_config
     from verl_remote.kit.secrets import redact
 
-    config = compose_config(args.overrides, recipe=recipe_for(args.overrides, args.recipe))
+    recipe = recipe_for(args.overrides, args.recipe)
+    config = compose_config(args.overrides, recipe=recipe)
+    if problem := demo_recipe_problem(recipe, config):
+        raise ConfigError(problem)
     if args.as_overrides:
         from verl_remote.cli.preflight import leaves
         from verl_remote.demo import resolve_demo_assets
@@ -119,7 +122,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         run,
         wait_before_restart,
     )
-    from verl_remote.demo import recipe_for
+    from verl_remote.demo import demo_recipe_problem, recipe_for
     from verl_remote.discovery.compat import UnsupportedVerlError
     from verl_remote.discovery.compose import ConfigError, compose_config
     from verl_remote.discovery.registry import load_backend_class
@@ -134,6 +137,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         check_numbers(composed, defaults)  # before the config is prepared: a refused run makes nothing
     # Likewise the model, data and reward; verl's defaults are named as such in a run that is not the demo.
     mixed = check_inputs(composed, defaults if recipe is None else None)
+    if problem := demo_recipe_problem(recipe, composed):  # nor through a recipe, with data of the user's own
+        raise ConfigError(problem)
     check_run_folder_free(str(composed.trainer.default_local_dir))  # likewise, a run in the folder
     if backend_group is not None:  # a service that does not answer, before verl is imported (seconds)
         probe_service(composed, load_backend_class(str(backend_group.name)).probe_service)

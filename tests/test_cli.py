@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conftest import cli
+from conftest import cli, python
 from verl_remote.integration.seams import SEAMS
 
 
@@ -42,6 +42,17 @@ def test_overrides_may_come_before_and_after_an_option_and_an_unknown_option_is_
     assert "unrecognized arguments: --no-such-option trainer.save_freq=3" in capsys.readouterr().err
 
 
+def test_list_imports_neither_verl_nor_torch() -> None:
+    code = (
+        "import sys\n"
+        "from verl_remote.cli.main import main\n"
+        "main(['list'])\n"
+        "print(sorted(m for m in ('verl', 'torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    out = python(code)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one(
     cli_main: Any,
 ) -> None:
@@ -58,9 +69,13 @@ def test_list_shows_each_backend_on_one_line_and_an_error_line_per_broken_one(
         "pkg://verl_remote_echo_backend/remote_backend/echo.yaml",
         "ok",
     ]
-    for name in ("broken", "mismatch", "notaspec", "badclass", "notremote", "nogroup", "noname"):
+    for name in ("broken", "mismatch", "notaspec", "nogroup", "noname"):
         assert "verl-remote-broken-backend 0.2.0" in rows[name]
         assert "error: backend '" + name + "'" in rows[name]
+    # list reads entry points and config groups only (a backend's classes may import verl and torch, seconds):
+    # a class that does not import is doctor's to find (test_doctor_passes_the_good_backend_...).
+    for name in ("badclass", "notremote"):
+        assert rows[name].split()[-1] == "ok"
     assert "ModuleNotFoundError: No module named 'verl_remote_no_such_dependency'" in rows["broken"]
     assert "has no remote_backend/nogroup.yaml" in rows["nogroup"]
     assert (

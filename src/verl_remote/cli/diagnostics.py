@@ -91,7 +91,7 @@ def config_group_error(spec: BackendSpec) -> str | None:
     return None
 
 
-def _inspect(backend: InstalledBackend, duplicated: bool) -> BackendReport:
+def _inspect(backend: InstalledBackend, duplicated: bool, classes: bool) -> BackendReport:
     if duplicated:
         try:
             installed_backend(backend.name)
@@ -102,7 +102,7 @@ def _inspect(backend: InstalledBackend, duplicated: bool) -> BackendReport:
     except BackendError as exc:
         return BackendReport(backend, None, str(exc))
     try:
-        for role in ("backend", "worker", "rollout"):
+        for role in ("backend", "worker", "rollout") if classes else ():
             resolve_class(backend, spec, role)
     except BackendError as exc:
         return BackendReport(backend, spec, str(exc))
@@ -112,8 +112,9 @@ def _inspect(backend: InstalledBackend, duplicated: bool) -> BackendReport:
     return BackendReport(backend, spec, None)
 
 
-def inspect_backends() -> list[BackendReport]:
-    """Load every installed backend's spec and classes and check its config group file."""
+def inspect_backends(*, classes: bool = True) -> list[BackendReport]:
+    """Load every installed backend's spec and check its config group file; and import its classes, unless
+    ``classes`` is false (``verl-remote list``: a backend's modules may import verl and torch, seconds each)."""
     installed = available_backends()
     counts = Counter(b.name for b in installed)
-    return [_inspect(b, counts[b.name] > 1) for b in installed]
+    return [_inspect(b, counts[b.name] > 1, classes) for b in installed]

@@ -33,7 +33,7 @@ EXIT_TERMINATED = 143  # SIGTERM, as shells report it
 def _cmd_list(args: argparse.Namespace) -> int:
     from verl_remote.cli.diagnostics import inspect_backends
 
-    reports = inspect_backends()
+    reports = inspect_backends(classes=False)  # entry points and config groups: a second; doctor imports classes
     if not reports:
         print("no backends installed (install a distribution that registers 'verl.remote_backends')")
         return 0

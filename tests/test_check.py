@@ -71,6 +71,8 @@ def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones(cli_main:
     [
         ("shifted_log_probs", "log_prob_layout", "these are shifted 1 position(s) early"),
         ("greedy_ignored", "sampler", "temperature 0 (verl's validation default) means greedy decoding"),
+        # Every check ran at temperature 1: a sampler that ignores the temperature passed them all.
+        ("temperature_ignored", "weight_sync", "sample from the logits divided by the temperature"),
         # With quirks that are no defects (verl never reads a row's last position, nor a metric named 'loss'): the
         # checks before pass it.
         ("[pad_log_prob_at_end,no_loss_key,load_nothing]", "checkpoint", "restore the weights"),

@@ -21,6 +21,8 @@ import uuid
 import warnings
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from verl_arctic.client import ArcticClient, ArcticError, probe_generation, probe_health
 from verl_arctic.export import export_step
 from verl_arctic.jobs import create_job, job_configs
@@ -139,7 +141,17 @@ class ArcticBackend(RemoteBackend):
 
     @classmethod
     def preflight(cls, main_config: Any) -> None:
-        """The service reachable and Arctic's, its protocol and GPUs as configured, the job configs valid."""
+        """The rollout at temperature 1; the service reachable and Arctic's, its protocol and GPUs as configured,
+        the job configs valid."""
+        temperature = float(OmegaConf.select(main_config, "actor_rollout_ref.rollout.temperature", default=1.0))
+        if temperature != 1.0:
+            # verl_arctic/testing/engine.py, generate: vLLM reports the unprocessed distribution's log-prob.
+            raise ValueError(
+                f"actor_rollout_ref.rollout.temperature={temperature}: Arctic's sampler (vLLM) reports each token's "
+                "log-prob under the untempered distribution, and verl scores the old log-probs at the rollout's "
+                "temperature, so the two would disagree; set actor_rollout_ref.rollout.temperature=1.0 (validation "
+                "may still sample greedily)"
+            )
         arctic = ArcticSettings.of(main_config)
         if arctic.token and token_in_clear(arctic.url):
             warnings.warn(

@@ -142,3 +142,15 @@ def test_the_other_generations_protocol_and_another_gpu_count_than_the_servers_a
             "set remote_backend.training_gpus=2"
         )
         ArcticBackend.preflight(_config(tmp_path, at, "remote_backend.training_gpus=2"))
+
+
+@pytest.mark.faults
+def test_a_rollout_temperature_other_than_1_is_refused_before_ray(dead_url: str) -> None:
+    """Arctic's sampler reports log-probs of the untempered distribution (as vLLM does): at 0.7 they differ from
+    the trainer's by up to 0.4 on the demo's model (verl-remote check's weight_sync found it), so verl's old
+    log-probs and its rollout corrections would read wrong numbers."""
+    config = compose_config(
+        ["remote_backend=arctic", f"remote_backend.comms.url={dead_url}", "actor_rollout_ref.rollout.temperature=0.7"]
+    )
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.rollout.temperature=0.7: Arctic's sampler \(vLLM\) "):
+        ArcticBackend.preflight(config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import math
 import os
@@ -125,6 +126,10 @@ def _packed(rows: list[list[Any]], dtype: Any) -> Any:
     offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
     values = np.array([v for r in rows for v in r], dtype=dtype)
     return Packed(values, offsets)
+
+
+#: The temperature other than 1 the weight-sync check samples at (a backend that ignores the temperature fails).
+TEMPERATURE = 0.7
 
 
 class Conformance:
@@ -431,20 +436,56 @@ class Conformance:
         return f"{loss}grad_norm {step['grad_norm']:.4g}, lr {step['lr']:.3g}{note}"
 
     def check_weight_sync(self) -> str:
-        """weight sync: after update_weights the sampler's log-probs equal the trainer's for the same tokens."""
+        """weight sync: after update_weights the sampler's log-probs equal the trainer's for the same tokens, at
+        temperature 1 and at another (verl scores the old log-probs at the rollout's temperature), unless the
+        backend refuses that temperature before a run (its preflight)."""
         asyncio.run(self.state.backend.update_weights())
-        rows, responses = self._sample_rows(max_tokens=5)
-        trained = self._log_probs(rows, [len(r) for r in responses])
-        worst = 0.0
-        for sampled, mine in zip(self.state.sampled_log_probs, _responses_of(trained, rows, responses), strict=True):
-            worst = max(worst, float(np.abs(mine - np.asarray(sampled)).max()))
+        worst = self._sampled_against_trained(1.0)
         _expect(
             worst <= self.atol,
             f"sampled and trained log-probs of the same tokens differ by up to {worst:.3g}",
             "update_weights must make the sampler use the trained weights; response token j of a row of n tokens "
             "with r response tokens is scored at position n - r - 1 + j",
         )
-        return f"max difference {worst:.2g}"
+        refused = self._refuses_temperature(TEMPERATURE)
+        if refused is not None:
+            return (
+                f"max difference {worst:.2g}; temperature {TEMPERATURE} not checked: the backend refuses it ({refused})"
+            )
+        tempered = self._sampled_against_trained(TEMPERATURE)
+        _expect(
+            tempered <= self.atol,
+            f"at temperature {TEMPERATURE} sampled and trained log-probs of the same tokens differ by up to "
+            f"{tempered:.3g} (at 1: {worst:.3g})",
+            "sample from the logits divided by the temperature and return the log-probs of that distribution, as "
+            "compute_log_prob scores them at the temperature verl passes; or refuse a temperature other than 1 in "
+            "preflight",
+        )
+        return f"max difference {worst:.2g} at temperature 1, {tempered:.2g} at {TEMPERATURE}"
+
+    def _sampled_against_trained(self, temperature: float) -> float:
+        """The largest difference between the sampler's log-probs of its tokens and the trainer's of the same."""
+        rows, responses = self._sample_rows(max_tokens=5, temperature=temperature)
+        trained = self._log_probs(rows, [len(r) for r in responses], temperature=temperature)
+        worst = 0.0
+        for sampled, mine in zip(self.state.sampled_log_probs, _responses_of(trained, rows, responses), strict=True):
+            worst = max(worst, float(np.abs(mine - np.asarray(sampled)).max()))
+        return worst
+
+    def _refuses_temperature(self, temperature: float) -> str | None:
+        """The key the backend's preflight names when it refuses a run at this rollout temperature; None when it
+        takes it (a refusal for another reason, its service's port now taken by the check's own run, say, is
+        not about the temperature)."""
+        from verl_remote.discovery.registry import load_backend_class
+
+        config = copy.deepcopy(self.state.config)
+        config.actor_rollout_ref.rollout.temperature = temperature
+        try:
+            load_backend_class(self.name).preflight(config)
+        except ValueError as exc:
+            said = str(exc)
+            return said.split(":")[0] if "temperature" in said else None
+        return None
 
     def check_checkpoint(self) -> str:
         """save, train, load: load_checkpoint restores the log-probs of the save exactly."""
@@ -649,11 +690,13 @@ class Conformance:
 
     # -- plumbing -------------------------------------------------------------------------------------
 
-    def _log_probs(self, rows: list[list[int]], responses: list[int], reference: bool = False) -> np.ndarray:
+    def _log_probs(
+        self, rows: list[list[int]], responses: list[int], reference: bool = False, temperature: float = 1.0
+    ) -> np.ndarray:
         import ray
 
         fields = self._fields(rows, responses)
-        out = ray.get(self.state.worker.log_probs.remote(fields, 1.0, False, reference), timeout=600)
+        out = ray.get(self.state.worker.log_probs.remote(fields, temperature, False, reference), timeout=600)
         return np.asarray(out["log_probs"], dtype=np.float64)
 
     def _fields(
@@ -694,10 +737,10 @@ class Conformance:
         ray.get(self.state.worker.forward_backward.remote(batch, meta), timeout=600)
         ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
 
-    def _sample_rows(self, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    def _sample_rows(self, max_tokens: int, temperature: float = 1.0) -> tuple[list[list[int]], list[list[int]]]:
         import ray
 
-        params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+        params = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": True}
         outs = ray.get(
             [self.state.server.sample.remote(p, max_tokens, params, []) for p in self.state.prompts], timeout=600
         )

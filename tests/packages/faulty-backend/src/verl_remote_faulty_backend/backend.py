@@ -142,6 +142,8 @@ class FaultyServer(LocalRolloutServer):
     async def sample(self, prompt_ids: list[int], params: SamplingParams) -> SampleResult:
         if self.backend.has_defect("greedy_ignored") and params.temperature == 0:
             params = dataclasses.replace(params, temperature=1.0)  # samples where verl's validation asks greedy
+        if self.backend.has_defect("temperature_ignored") and params.temperature > 0:
+            params = dataclasses.replace(params, temperature=1.0)  # samples and scores at 1 whatever verl asks
         return await super().sample(prompt_ids, params)
 
 

@@ -134,6 +134,7 @@ def test_doctor_passes_the_good_backend_fails_the_broken_ones_in_driver_and_ray_
     assert lines[-1] == "doctor: 28 checks passed, 18 failed"
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -120,6 +120,7 @@ def _steps(text: str) -> list[int]:
     return list(dict.fromkeys(steps(text)))
 
 
+@pytest.mark.faults
 def test_ray_job_submit_trains_off_the_driver_node_stops_and_leaves_the_cluster_as_it_found_it(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:

@@ -84,6 +84,7 @@ def test_remote_backend_selects_the_group_without_plus_and_takes_verl_overrides(
     assert config.algorithm.adv_estimator == "grpo"
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("overrides", "error", "message"),
     [
@@ -113,6 +114,7 @@ def test_bad_overrides_raise_errors_the_user_can_act_on(
         compose_config(overrides)
 
 
+@pytest.mark.faults
 def test_cli_config_prints_yaml_and_rejects_bad_input_with_exit_2(cli_main: Any) -> None:
     code, stdout, stderr = cli_main("config", "remote_backend=echo", "algorithm.adv_estimator=grpo")
     assert code == 0, stderr

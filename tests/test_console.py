@@ -258,6 +258,7 @@ RAYLET_DIED = (
 )
 
 
+@pytest.mark.faults
 def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_died(
     cli_main: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ for a backend that exists only in the text (the author guide's ``my``) is counte
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import shlex
@@ -180,6 +181,7 @@ def test_every_documented_recipe_composes(path: Path, tmp_path: Path) -> None:
             pytest.fail(f"{where}: the recipe does not compose: {exc}")
 
 
+@pytest.mark.faults
 def test_a_documented_key_that_does_not_exist_fails_the_check(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(
@@ -214,3 +216,49 @@ def test_every_test_the_docs_cite_exists(page: str) -> None:
         ):
             missing.append(cited)
     assert missing == [], f"docs/{page} cites tests that are not there: {missing}"
+
+
+def _faults_marks(path: Path) -> tuple[bool, set[str]]:
+    """Whether the test module at ``path`` is marked ``faults`` as a whole (its ``pytestmark``), and the names of its
+    functions marked ``@pytest.mark.faults`` one by one; read, not imported."""
+
+    def is_faults(node: ast.expr) -> bool:
+        return ast.unparse(node) == "pytest.mark.faults"
+
+    whole, marked = False, set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in targets):
+                value = node.value
+                marks = value.elts if isinstance(value, ast.List | ast.Tuple) else [value]
+                whole = whole or any(is_faults(mark) for mark in marks)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+            is_faults(decorator) for decorator in node.decorator_list
+        ):
+            marked.add(node.name)
+    return whole, marked
+
+
+def test_every_test_the_reliability_page_cites_runs_under_the_faults_mark() -> None:
+    """docs/reliability.md says `pytest -m faults` runs every test it cites: each citation names its test
+    (``tests/path.py::test_name``, not a whole module), and that test is marked ``faults``, by itself or by its
+    module's ``pytestmark``."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    cited = sorted(set(_CITED_TEST.findall(text)))
+    assert len(cited) > 20, cited  # the page's tables were read
+    offenders = []
+    for citation in cited:
+        module, _, name = citation.partition("::")
+        path = ROOT / module
+        if not name:
+            offenders.append(f"{citation}: a whole module; cite the test that shows the row (::test_name)")
+        elif not path.is_file():
+            offenders.append(f"{citation}: no such module")
+        else:
+            whole, marked = _faults_marks(path)
+            if not (whole or name in marked):
+                offenders.append(f"{citation}: not marked faults; add @pytest.mark.faults to it")
+    assert offenders == [], "docs/reliability.md cites tests that `pytest -m faults` does not run:\n" + "\n".join(
+        offenders
+    )

@@ -95,6 +95,7 @@ def test_every_estimator_runs_on_the_rewards_alone_or_is_the_one_refused(estimat
     assert float(advantages[mask == 1].abs().max()) > 0  # the rewards differ within groups: something to learn
 
 
+@pytest.mark.faults
 def test_the_refused_estimators_are_verls_and_refused_before_ray_naming_what_they_need() -> None:
     from verl_remote.cli.run import prepare_config
 
@@ -120,6 +121,7 @@ def test_verls_own_launcher_refuses_them_too_when_it_builds_the_trainer_before_t
         assert str(raised.value).startswith(f"algorithm.adv_estimator={estimator} needs {needs}"), raised.value
 
 
+@pytest.mark.faults
 def test_a_name_is_checked_against_verls_registries_as_they_are_a_registered_one_passes() -> None:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_adv_est, register_policy_loss
 

@@ -318,6 +318,7 @@ def _refusals(task: OwnTask, tmp_path: Path) -> Iterator[tuple[list[str], str]]:
     )
 
 
+@pytest.mark.faults
 def test_mixed_runs_and_data_without_a_reward_are_refused_before_ray_naming_the_key(
     own_task: OwnTask, tmp_path: Path, demo_cache: Path, cli_main: Any
 ) -> None:
@@ -329,6 +330,7 @@ def test_mixed_runs_and_data_without_a_reward_are_refused_before_ray_naming_the_
     assert not demo_cache.exists()  # the demo's files were not made for any of them
 
 
+@pytest.mark.faults
 def test_a_recipe_from_the_demo_with_the_users_own_data_is_refused_naming_the_demo(
     own_task: OwnTask, tmp_path: Path, demo_cache: Path, cli_main: Any
 ) -> None:
@@ -364,6 +366,7 @@ def test_a_recipe_from_the_demo_with_the_users_own_data_is_refused_naming_the_de
     assert not demo_cache.exists()
 
 
+@pytest.mark.faults
 def test_the_users_model_on_the_demos_task_is_a_mix_said_in_one_line(
     own_task: OwnTask, tmp_path: Path, cli_main: Any
 ) -> None:
@@ -375,6 +378,7 @@ def test_the_users_model_on_the_demos_task_is_a_mix_said_in_one_line(
     assert check_inputs(compose_config([], recipe="demo")) == []
 
 
+@pytest.mark.faults
 def test_a_refusal_of_the_users_inputs_imports_neither_verl_nor_torch(own_task: OwnTask) -> None:
     argv = ["train", f"actor_rollout_ref.model.path={own_task.model}", f"data.train_files={own_task.train}"]
     argv.append(f"data.val_files={own_task.val}")

@@ -102,6 +102,7 @@ def _add_through_handle(handle: dict[str, Any]) -> tuple[int, int]:
     return os.getpid(), ray.get(RayService.from_handle(handle).actor().add.remote(1))
 
 
+@pytest.mark.faults
 def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(
     ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -148,6 +149,7 @@ def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(
     assert resources({}) == {"num_cpus": 1.0, "num_gpus": 0.0}
 
 
+@pytest.mark.faults
 @pytest.mark.train  # the local engine loads the demo's model in a Ray worker
 def test_under_verls_launcher_the_trainer_refuses_two_forwarders_for_a_single_forwarder_backend(
     ray_cluster: Any, tmp_path: Path

@@ -123,6 +123,7 @@ def test_a_second_run_in_the_same_folder_is_refused_and_one_in_another_folder_ru
     assert left_behind(tmp_path) == {}
 
 
+@pytest.mark.faults
 def test_grpo_runs_end_to_end_and_writes_verls_jsonl_metrics(train_runs: TrainRuns) -> None:
     demo = train_runs(*DEMO).ok()
     out = demo.out
@@ -519,6 +520,7 @@ def test_val_only_validates_and_trains_no_step(tmp_path: Path) -> None:
     assert metric(run_log(tmp_path / "ckpt"), "actor/pg_loss") == []
 
 
+@pytest.mark.faults
 def test_a_layout_with_two_forwarders_is_refused_for_a_single_forwarder_backend(tmp_path: Path, cli_main: Any) -> None:
     calls = tmp_path / "calls.txt"
     code, _out, err = cli_main(

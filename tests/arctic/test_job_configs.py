@@ -104,6 +104,7 @@ def test_the_loss_travels_with_each_update_not_in_the_jobs(generation: str) -> N
     assert _jobs(generation, *losses) == _jobs(generation)
 
 
+@pytest.mark.faults
 def test_seq_mean_token_mean_with_an_entropy_bonus_is_refused_before_the_run() -> None:
     """Arctic's servers pack a micro-batch into one sequence, so they cannot weigh the entropy bonus per response
     (verl_arctic.loss); the loss alone trains, carried."""

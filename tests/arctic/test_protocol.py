@@ -40,6 +40,7 @@ def test_the_generation_is_detected_without_side_effects(arctic_server: tuple[st
     assert ArcticClient(url).call("status")["jobs"] == {}
 
 
+@pytest.mark.faults
 def test_errors_name_the_call_the_url_and_the_servers_own_text(
     arctic_server: tuple[str, str], model_path: str, tmp_path: Path
 ) -> None:
@@ -272,6 +273,7 @@ def test_a_steps_generate_calls_share_one_client_and_a_failure_names_its_error(
     assert client.call("status")["jobs"] == {}
 
 
+@pytest.mark.faults
 def test_a_launched_server_runs_under_verl_remotes_python_and_an_early_exit_shows_its_last_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -119,6 +119,7 @@ def test_prompt_tokens_carry_no_weight_and_masked_response_tokens_none() -> None
     assert datums[1]["weights"] == [0.0, 1.0, 1.0, 1.0]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("actor", "rollout", "message"),
     [
@@ -197,6 +198,7 @@ def _config(**backend: Any) -> Any:
     )
 
 
+@pytest.mark.faults
 def test_preflight_names_the_missing_base_url() -> None:
     with pytest.raises(ValueError, match=r"remote_backend.base_url is not set: .*verl_remote_tinker.local_server"):
         TinkerBackend.preflight(_config(base_url=None))
@@ -210,6 +212,7 @@ def test_preflight_refuses_a_lora_rank_that_is_not_an_integer_from_0(rank: Any) 
         TinkerBackend.preflight(_config(base_url="http://127.0.0.1:1", lora_rank=rank))
 
 
+@pytest.mark.faults
 def test_verls_lora_rank_is_the_adapters_and_two_ranks_are_refused() -> None:
     """verl's actor_rollout_ref.model.lora_rank (or .lora.rank) asks for a LoRA adapter: the Tinker backend trains one
     of that rank (it was ignored: a run asking for rank 8 trained rank 32); the backend's own setting, changed to
@@ -236,6 +239,7 @@ def test_verls_lora_rank_is_the_adapters_and_two_ranks_are_refused() -> None:
         settings(16, lora_rank=8)
 
 
+@pytest.mark.faults
 def test_preflight_names_an_address_where_nothing_answers(dead_url: str) -> None:
     with pytest.raises(ValueError, match=f"remote_backend.base_url={dead_url}: nothing answers there"):
         TinkerBackend.preflight(_config(base_url=dead_url))

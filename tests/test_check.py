@@ -76,6 +76,8 @@ def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones(cli_main:
         # With quirks that are no defects (verl never reads a row's last position, nor a metric named 'loss'): the
         # checks before pass it.
         ("[pad_log_prob_at_end,no_loss_key,load_nothing]", "checkpoint", "restore the weights"),
+        # The weights restored, the optimizer not: a resumed run would take other steps.
+        ("optimizer_not_saved", "checkpoint", "save and restore the optimizer's state with the weights"),
     ],
 )
 def test_a_broken_backend_fails_the_check_that_names_its_defect(

@@ -488,7 +488,8 @@ class Conformance:
         return None
 
     def check_checkpoint(self) -> str:
-        """save, train, load: load_checkpoint restores the log-probs of the save exactly."""
+        """save, train, load: load_checkpoint restores the log-probs of the save exactly, and the optimizer's state
+        with them: the same training step after the load moves the model as it did after the save."""
         path = os.path.join(self.state.folder, "global_step_1", "actor")
         os.makedirs(path)
         rows, responses = self._sample_rows(max_tokens=4)
@@ -507,7 +508,22 @@ class Conformance:
             f"after load_checkpoint the log-probs differ from the saved ones by {diff:.3g}",
             "restore the weights (and the optimizer) that save_checkpoint wrote for that step",
         )
-        return f"max difference {diff:.2g}"
+        # The optimizer's state (Adam's moments, its step count, the schedule's position): the step after the save,
+        # taken again after the load, lands where it did. A fresh optimizer takes a step of another size.
+        self._train_step(rows, responses, saved)
+        again = self._log_probs(rows, lengths)
+        moved = float(np.abs(changed - saved).max())
+        apart = float(np.abs(again - changed).max())
+        _expect(
+            apart <= max(self.atol, 1e-3 * moved),
+            f"the step after load_checkpoint moved the log-probs {apart:.3g} away from where the same step after the "
+            f"save took them (it moved them {moved:.3g})",
+            "save and restore the optimizer's state with the weights (its moments and step count, the learning-rate "
+            "schedule's position): a resumed run must take the steps it would have taken",
+        )
+        # Back to the save, for the checks after (export reads the saved step; the weights are the save's again).
+        asyncio.run(self.state.backend.load_checkpoint(1, path))
+        return f"max difference {diff:.2g}; the step after the load {apart:.2g} from the step after the save"
 
     def check_export(self) -> str:
         """export: the saved checkpoint as a Hugging Face folder whose log-probs are the service's at the save."""

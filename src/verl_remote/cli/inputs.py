@@ -28,10 +28,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from verl_remote.cli.preflight import PreflightError, check_data, check_model
-from verl_remote.demo import DEMO_PREFIX, is_demo_value
+from verl_remote.demo import DEMO_CONFIG, DEMO_PREFIX, DEMO_RECIPE, OWN_DATA_KEYS, is_demo_value, starts_from_demo
 from verl_remote.demo.assets import DATA_SOURCE as DEMO_SOURCE
 
-__all__ = ["check_inputs", "data_sources"]
+__all__ = ["check_inputs", "data_sources", "demo_recipe_problem"]
 
 MODEL_KEY = "actor_rollout_ref.model.path"
 TRAIN_KEY = "data.train_files"
@@ -317,3 +317,47 @@ def _check_builtin_rewards(*files: DataFiles) -> None:
             f"{REWARD_KEY}=<your reward .py file> and {REWARD_NAME_KEY}=<its function> (docs/user-guide.md, "
             f"'Your reward'){hint}"
         )
+
+
+def _the_demos_task(value: Any) -> bool:
+    """Whether data files hold the demo's task only (copies of its files, say): every row's ``data_source`` the
+    demo's. A file that cannot be read is not (the run's input checks say why)."""
+    paths = [str(v) for v in value] if isinstance(value, list | tuple) or OmegaConf.is_list(value) else [str(value)]
+    try:
+        return all(data_sources(os.path.expanduser(path.removeprefix("file://"))) == {DEMO_SOURCE} for path in paths)
+    except Exception:  # not a local parquet file with a data_source column
+        return False
+
+
+def demo_recipe_problem(recipe: str | None, config: DictConfig) -> str | None:
+    """A recipe that starts from the demo's settings, with data of the user's own (another task than the demo's):
+    the demo's lengths, batch, learning rate and steps (made for its tiny model and two-token answers) would run
+    the user's task without a word. One line naming the recipe, the demo's settings and the fix; None otherwise."""
+    if recipe is None or not starts_from_demo(recipe):
+        return None
+    own = [
+        (key, value)
+        for key in OWN_DATA_KEYS
+        if (value := OmegaConf.select(config, key, default=None)) is not None
+        and not is_demo_value(value)
+        and not _the_demos_task(value)
+    ]
+    if not own:
+        return None
+    key, value = own[0]
+    shown = value if isinstance(value, str) else list(value)
+    settings = ", ".join(
+        f"{name}={OmegaConf.select(config, name, default=None)}"
+        for name in (
+            "data.max_prompt_length",
+            "data.max_response_length",
+            "actor_rollout_ref.actor.optim.lr",
+            "trainer.total_training_steps",
+        )
+    )
+    named = "--recipe demo" if recipe == DEMO_RECIPE else f"recipe {recipe}"
+    return (
+        f"{named} starts from the demo's settings ({DEMO_CONFIG}: {settings}), made for the demo's tiny model, but "
+        f"{key}={shown} is data of your own: start the recipe from verl_remote, verl's defaults "
+        "(defaults: [verl_remote, _self_]), and set what your run needs (configs/README.md)"
+    )

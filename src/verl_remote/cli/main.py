@@ -54,7 +54,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from verl_remote.demo import demo_recipe_problem, recipe_for
+    from verl_remote.cli.inputs import demo_recipe_problem
+    from verl_remote.demo import recipe_for
     from verl_remote.discovery.compose import ConfigError, compose_config
     from verl_remote.kit.secrets import redact
 
@@ -112,7 +113,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
     os.environ.setdefault("TQ_NUM_THREADS", str(max(1, min(8, psutil.cpu_count(logical=False) or 1))))
 
-    from verl_remote.cli.inputs import check_inputs
+    from verl_remote.cli.inputs import check_inputs, demo_recipe_problem
     from verl_remote.cli.preflight import check_numbers, probe_service, run_preflight
     from verl_remote.cli.run import (
         Terminated,
@@ -122,7 +123,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         run,
         wait_before_restart,
     )
-    from verl_remote.demo import demo_recipe_problem, recipe_for
+    from verl_remote.demo import recipe_for
     from verl_remote.discovery.compat import UnsupportedVerlError
     from verl_remote.discovery.compose import ConfigError, compose_config
     from verl_remote.discovery.registry import load_backend_class

@@ -20,10 +20,10 @@ __all__ = [
     "DEMO_PREFIX",
     "DEMO_RECIPE",
     "OWN_INPUT_KEYS",
-    "demo_recipe_problem",
     "is_demo_value",
     "recipe_for",
     "resolve_demo_assets",
+    "starts_from_demo",
 ]
 
 #: Config values starting with this name an asset of the built-in demo, made on first use.
@@ -73,7 +73,7 @@ DEMO_CONFIG = "verl_remote_demo"
 OWN_DATA_KEYS = ("data.train_files", "data.val_files")
 
 
-def _starts_from_demo(recipe: str) -> bool:
+def starts_from_demo(recipe: str) -> bool:
     """Whether a recipe is the demo's settings: ``--recipe demo``, or a file whose defaults list names them."""
     if recipe == DEMO_RECIPE:
         return True
@@ -85,40 +85,6 @@ def _starts_from_demo(recipe: str) -> bool:
         return False  # composing it says what is wrong
     defaults = document.get("defaults") if isinstance(document, dict) else None
     return isinstance(defaults, list) and any(str(entry).strip() == DEMO_CONFIG for entry in defaults)
-
-
-def demo_recipe_problem(recipe: str | None, config: DictConfig) -> str | None:
-    """A recipe that starts from the demo's settings, with data of the user's own: the demo's lengths, batch,
-    learning rate and steps (made for its tiny model and two-token answers) would run the user's task without a
-    word. One line naming the recipe, the demo's settings and the fix; None otherwise."""
-    from omegaconf import OmegaConf
-
-    if recipe is None or not _starts_from_demo(recipe):
-        return None
-    own = [
-        (key, value)
-        for key in OWN_DATA_KEYS
-        if (value := OmegaConf.select(config, key, default=None)) is not None and not is_demo_value(value)
-    ]
-    if not own:
-        return None
-    key, value = own[0]
-    shown = value if isinstance(value, str) else list(value)
-    settings = ", ".join(
-        f"{name}={OmegaConf.select(config, name, default=None)}"
-        for name in (
-            "data.max_prompt_length",
-            "data.max_response_length",
-            "actor_rollout_ref.actor.optim.lr",
-            "trainer.total_training_steps",
-        )
-    )
-    named = "--recipe demo" if recipe == DEMO_RECIPE else f"recipe {recipe}"
-    return (
-        f"{named} starts from the demo's settings ({DEMO_CONFIG}: {settings}), made for the demo's tiny model, but "
-        f"{key}={shown} is data of your own: start the recipe from verl_remote, verl's defaults "
-        "(defaults: [verl_remote, _self_]), and set what your run needs (configs/README.md)"
-    )
 
 
 def _demo_values(config: DictConfig) -> Iterator[tuple[Any, Any, str]]:

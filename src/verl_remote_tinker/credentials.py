@@ -39,15 +39,15 @@ HOSTED_SDK = ">=0.33,<0.39"
 
 
 def _installed_sdk() -> tuple[str, tuple[int, int]] | None:
+    """The installed tinker SDK's version, and its (major, minor); None where it is not installed or unreadable."""
+    from packaging.version import InvalidVersion, Version
+
     try:
         text = importlib.metadata.version("tinker")
-    except importlib.metadata.PackageNotFoundError:
+        release = Version(text).release
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
         return None
-    parts = [*text.split("."), "0", "0"][:2]
-    try:
-        return text, (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0))
-    except ValueError:
-        return None
+    return text, (release[0], release[1] if len(release) > 1 else 0)
 
 
 def hosted_sdk_problem(url: str) -> tuple[str | None, str | None]:

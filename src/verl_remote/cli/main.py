@@ -155,15 +155,13 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         console.open_log(Path(folder) / "logs" / f"train-{time.strftime('%Y%m%d-%H%M%S')}.log")
         if config.trainer.total_training_steps is not None:  # verl's progress bar says it again
             console.total_steps = int(config.trainer.total_training_steps)
+        name = config.remote_backend.name
         doing = (
-            "validating with backend '{}' only (trainer.val_only=true)"
+            f"validating with backend '{name}' only (trainer.val_only=true)"
             if config.trainer.get("val_only", False)
-            else f"training with backend '{{}}' for {config.trainer.total_training_steps} steps"
+            else f"training with backend '{name}' for {config.trainer.total_training_steps} steps"
         )
-        print(
-            f"verl-remote: {doing.format(config.remote_backend.name)} (model {config.actor_rollout_ref.model.path})",
-            flush=True,
-        )
+        print(f"verl-remote: {doing} (model {config.actor_rollout_ref.model.path})", flush=True)
         if not console.verbose:
             print(f"verl-remote: the full output goes to {console.log_path} (--verbose shows it here)", flush=True)
         summary = RunSummary()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -193,8 +194,20 @@ def test_the_thread_that_made_the_backend_lives_until_the_run_releases_it(
     start.take()
     discard_server_ahead()
     assert made_in == [start.thread] and made_in[0] is not threading.current_thread()
-    time.sleep(1.0)
-    assert start.thread.is_alive()
+
+    def parked() -> bool:
+        """Whether the thread waits in BackendStart._run for the event only release() sets: it cannot end before."""
+        frame, called = sys._current_frames().get(start.thread.ident or 0), ""
+        while frame is not None:
+            if frame.f_code is trainer.BackendStart._run.__code__:
+                return called == "wait"  # Event.wait: the only wait _run calls is the release's
+            called, frame = frame.f_code.co_name, frame.f_back
+        return False
+
+    deadline = time.monotonic() + 10
+    while not parked():  # it gets there once from_config has returned and the server started ahead
+        assert start.thread.is_alive() and time.monotonic() < deadline, "the thread ended without its release"
+        time.sleep(0.05)
     start.release()
     start.thread.join(timeout=10)
     assert not start.thread.is_alive()

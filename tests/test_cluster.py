@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, cli, faulty_calls, free_port, processes_in, run, script, step_row, steps
+from conftest import QUICK, cli, faulty_calls, free_port, left_behind, processes_in, run, script, step_row, steps
 
 pytestmark = [pytest.mark.train, pytest.mark.cluster]
 
@@ -118,6 +118,43 @@ def _steps(text: str) -> list[int]:
     """The steps the run printed, in order. Nodes on one machine share Ray's session folder, so each node's log
     monitor forwards every worker's lines: a line can arrive once per node."""
     return list(dict.fromkeys(steps(text)))
+
+
+#: Ray started in a new interpreter as ``verl-remote train``'s driver starts it (``ray.init()`` alone with ``bare``);
+#: then the address of the cluster it is in.
+_RAY_OF_A_RUN = """
+import sys
+import ray
+from verl_remote.cli.run import _ray_init
+from verl_remote.discovery.compose import compose_config
+
+if sys.argv[1] == "bare":
+    ray.init()
+else:
+    _ray_init(compose_config([], recipe="demo"))
+print("in the cluster at", ray.get_runtime_context().gcs_address)
+ray.shutdown()
+"""
+
+
+@pytest.mark.faults
+def test_a_run_joins_a_ray_start_cluster_on_its_machine_only_when_ray_address_asks_for_it(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The module's cluster is one someone started on this machine with `ray start`, which leaves its address for
+    Ray to find: a bare ``ray.init()`` joins it. A run's own start of Ray does not, unless RAY_ADDRESS names it."""
+
+    def gcs_port(how: str, env: dict[str, str]) -> int:
+        """The port of the GCS of the cluster ``how`` is in (a driver names it by the machine's own address)."""
+        out = run(sys.executable, "-c", _RAY_OF_A_RUN, how, env=env, cwd=tmp_path, timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return int(out.stdout.strip().splitlines()[-1].rsplit(":", 1)[1])
+
+    assert "RAY_ADDRESS" not in cluster.env
+    assert gcs_port("bare", cluster.env) == cluster.port  # what the run is kept from
+    assert gcs_port("run", cluster.env) != cluster.port  # an instance of its own
+    assert gcs_port("run", {**cluster.env, "RAY_ADDRESS": cluster.address}) == cluster.port
+    assert left_behind(tmp_path) == {}  # the run's own instance ended with it
 
 
 @pytest.mark.faults

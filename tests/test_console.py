@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import sys
 import threading
+import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -291,30 +293,48 @@ def test_a_run_ray_dies_under_ends_with_its_summary_and_one_line_naming_what_die
     )
 
 
+class _Clock:
+    """The console module's ``time`` in a test: ``sleep`` moves the clock on at once, and the workers' lines due by
+    then arrive as they would have meanwhile. Its times are exact fractions, so what a wait returns is decided by the
+    lines' times alone, not raced against a busy machine or rounded."""
+
+    strftime = staticmethod(time.strftime)
+
+    def __init__(self) -> None:
+        self.now = Fraction(100)
+        self.due: list[tuple[Fraction, str]] = []  # (when, line), in order
+
+    def monotonic(self) -> Fraction:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += Fraction(str(seconds))
+        while self.due and self.due[0][0] <= self.now:
+            print(self.due.pop(0)[1])
+
+    def lines(self, count: int, every_s: float) -> None:
+        """``count`` worker lines, one every ``every_s`` from now on."""
+        every = Fraction(str(every_s))
+        self.due = [(self.now + (i + 1) * every, f"verl-remote: a worker's last line {i}") for i in range(count)]
+
+
 def test_at_the_end_it_waits_for_the_workers_last_lines_until_they_stop_coming(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What cli/run.py waits before Ray shuts down: at least the quiet, longer while lines still come, never more
     than the bound."""
-    import threading
-    import time
+    from verl_remote.cli import console as console_module
 
+    clock = _Clock()
+    monkeypatch.setattr(console_module, "time", clock)
     console, out, _err = _console(monkeypatch)
-    assert 0.2 <= console.wait_for_quiet(quiet_s=0.2, at_most_s=5.0) < 1.0  # nothing comes: the quiet itself
+    assert console.wait_for_quiet(quiet_s=0.25, at_most_s=5.0) == 0.25  # nothing comes: the quiet itself
 
-    def say(count: int) -> None:
-        for i in range(count):
-            print(f"verl-remote: a worker's last line {i}")
-            time.sleep(0.1)
+    clock.lines(8, every_s=0.1)  # the last 0.8 s on
+    assert console.wait_for_quiet(quiet_s=0.25, at_most_s=5.0) == pytest.approx(0.8 + 0.25)  # then the quiet
+    assert clock.due == [] and out.getvalue().splitlines()[-1] == "verl-remote: a worker's last line 7"
 
-    lines = threading.Thread(target=say, args=(8,))
-    lines.start()
-    waited = console.wait_for_quiet(quiet_s=0.3, at_most_s=5.0)
-    lines.join()
-    assert 0.8 + 0.3 - 0.15 <= waited < 4.0, waited  # the 8 lines came, then the quiet
-    assert out.getvalue().splitlines()[-1] == "verl-remote: a worker's last line 7"
-    lines = threading.Thread(target=say, args=(30,))
-    lines.start()
-    assert 1.0 <= console.wait_for_quiet(quiet_s=0.3, at_most_s=1.0) < 2.0  # lines keep coming: the bound
-    lines.join()
+    clock.lines(30, every_s=0.1)  # until 3 s on: the bound ends the wait, 10 lines in
+    assert console.wait_for_quiet(quiet_s=0.25, at_most_s=1.0) == 1.0
+    assert len(clock.due) == 20 and out.getvalue().splitlines()[-1] == "verl-remote: a worker's last line 9"
     console.uninstall()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import free_port, last_line, python
+from conftest import last_line, python
 from verl_remote.cli.preflight import (
     RANGES,
     PreflightError,
@@ -362,11 +362,10 @@ def binary_200() -> Iterator[str]:
 
 
 def test_an_arctic_url_where_nothing_or_something_else_answers(
-    html_404: str, binary_200: str, tmp_path: Path, cli_main: Any
+    html_404: str, binary_200: str, tmp_path: Path, cli_main: Any, dead_url: str
 ) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
     for url, message in (
-        (dead, f"remote_backend.comms.url={dead}: nothing answers there"),
+        (dead_url, f"remote_backend.comms.url={dead_url}: nothing answers there"),
         (html_404, "GET /health answered HTTP 404 with <html> (text/html, not Arctic's JSON)"),
         (binary_200, "GET /health answered HTTP 200 with 256 bytes of application/octet-stream"),
     ):
@@ -376,13 +375,12 @@ def test_an_arctic_url_where_nothing_or_something_else_answers(
         assert message in last_line(err)
 
 
-def test_a_service_where_nothing_answers_is_refused_before_verl_is_imported(tmp_path: Path) -> None:
+def test_a_service_where_nothing_answers_is_refused_before_verl_is_imported(tmp_path: Path, dead_url: str) -> None:
     """The backend's probe_service comes first, before verl is imported (several seconds on 2 cores): a dead URL
     is refused in about the time the config takes to compose, for verl-arctic and verl-remote-tinker alike."""
-    dead = f"http://127.0.0.1:{free_port()}"
     for backend in (
-        ["remote_backend=arctic", f"remote_backend.comms.url={dead}"],
-        ["remote_backend=tinker", f"remote_backend.base_url={dead}"],
+        ["remote_backend=arctic", f"remote_backend.comms.url={dead_url}"],
+        ["remote_backend=tinker", f"remote_backend.base_url={dead_url}"],
     ):
         argv = ["train", *backend, f"trainer.default_local_dir={tmp_path / 'ckpt'}"]
         code = (

@@ -149,8 +149,7 @@ def test_a_ray_service_is_started_once_found_by_name_elsewhere_and_stopped(
     assert resources({}) == {"num_cpus": 1.0, "num_gpus": 0.0}
 
 
-@pytest.mark.faults
-@pytest.mark.train  # the local engine loads the demo's model in a Ray worker
+@pytest.mark.faults  # refused before the backend is made: no model loads (the quick tier)
 def test_under_verls_launcher_the_trainer_refuses_two_forwarders_for_a_single_forwarder_backend(
     ray_cluster: Any, tmp_path: Path
 ) -> None:
@@ -175,6 +174,7 @@ def test_under_verls_launcher_the_trainer_refuses_two_forwarders_for_a_single_fo
     assert live_actors() == []
 
 
+@pytest.mark.train  # the trainer makes the backend: the local engine loads the demo's model in a Ray worker
 def test_once_the_driver_destroys_the_backend_the_loop_makes_no_further_call_to_it(
     ray_cluster: Any, tmp_path: Path
 ) -> None:

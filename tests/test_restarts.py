@@ -1,5 +1,6 @@
 """Which faults restart a run, how often, and from where (verl_remote.kit.faults, verl_remote.runtime.restarts); a
-sampling request sent again after a transient fault (verl_remote.integration.rollout). The runs that restart
+sampling request sent again after a transient fault (verl_remote.integration.rollout), and verl-arctic's calls that
+only read (verl_arctic.client). The runs that restart
 against each service, through a proxy that fails their requests: tests/arctic/test_arctic_train.py,
 tests/tinker_service/test_tinker_server.py."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import httpx
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import processes_in
 from verl_remote import is_transient, transient_status
 from verl_remote.runtime.checkpoints import RECORD, TRACKER, seal
 from verl_remote.runtime.restarts import Restarts, resumed_config
@@ -272,3 +275,157 @@ def test_the_command_restarts_a_run_after_a_transient_fault_and_stops_when_it_co
     code, _out, err = cli_main(*overrides, "remote_restart.max=0", "trainer.resume_mode=disable")
     assert code == 1 and len(attempts) == 1
     assert "verl-remote: not restarted: a transient fault; restarts are off (remote_restart.max=0)" in err
+
+
+@pytest.mark.parametrize(
+    ("signum", "exit_code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated by SIGTERM")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_or_sigterm_while_the_run_waits_to_restart_ends_it_at_once(
+    cli_main: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, signum: int, exit_code: int, said: str
+) -> None:
+    """The signal comes as the 600 s wait before a restart begins: the wait ends there, the command exits 130 or 143
+    and makes no other attempt. The attempt before released everything in its own ``finally`` (the runs that
+    restart against each service: tests/arctic/test_arctic_train.py), so nothing of the run is left to stop."""
+    from verl_remote.cli import run as train
+
+    attempts: list[int] = []
+    waits: list[float] = []
+
+    def run(config: Any, report: RunSummary, *, restarts: int = 0) -> None:
+        attempts.append(restarts)
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    class Clock:
+        """The run module's ``time``, its ``sleep`` the wait's: the signal arrives in it, as Ctrl-C or kill would."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            # SIG_DFL would end this test process (SIGTERM's default): the wait must have a handler of its own.
+            assert signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN), signal.getsignal(signum)
+            signal.raise_signal(signum)  # its handler runs here, in this (the main) thread
+            waits.append(-1.0)  # the wait went on after the signal
+
+    monkeypatch.setattr(train, "run", run)
+    monkeypatch.setattr(train, "time", Clock())
+    monkeypatch.setattr(train, "_TERMINATED", False)  # SIGTERM's handler sets it: this test's only
+    overrides = ("remote_restart.backoff_s=600", "remote_restart.max_backoff_s=600")
+    code, _out, err = cli_main("train", *overrides, f"trainer.default_local_dir={tmp_path / 'c'}")
+    assert (code, attempts, waits) == (exit_code, [0], [600.0]), err[-3000:]
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"verl-remote train: {said}"
+    assert (
+        "verl-remote: restart 1 of 3 in 600 s, from the start: a transient fault at step 1: "
+        "ConnectionResetError: [Errno 104] Connection reset by peer"
+    ) in lines
+    assert processes_in(tmp_path) == {}
+
+
+class _Answers:
+    """An HTTP server on 127.0.0.1 that answers each request with the next of its ``script`` (a status, or ``None``:
+    the connection closed without an answer), then 200 with ``{"status": "OK"}``; it counts the requests."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.script: list[int | None] = []
+        self.requests = 0
+        answers = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                answers.requests += 1
+                status = answers.script.pop(0) if answers.script else 200
+                if status is None:
+                    self.close_connection = True  # no answer at all: a network error for the client
+                    return
+                body = b'{"status": "OK"}' if status == 200 else b'{"detail": "of the moment"}'
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, script: list[int | None]) -> None:
+        """Answer the next requests with ``script``, counting them afresh."""
+        self.script, self.requests = list(script), 0
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("generation", ["v0.1", "main"])
+def test_verl_arctic_sends_a_call_that_only_reads_again_after_a_network_error_or_a_5xx_after_1_2_and_4_s(
+    monkeypatch: pytest.MonkeyPatch, generation: str
+) -> None:
+    """health, status, job and weight-norm: three more tries, 1, 2 and 4 s apart (remote_backend.comms.retries, 3
+    by default); a 4xx is not sent again; every call that changes state is sent once, whatever comes back."""
+    from verl_arctic import client as client_module
+    from verl_arctic.client import ArcticError
+    from verl_arctic.routes import _ROUTES
+    from verl_arctic.settings import ArcticSettings
+    from verl_remote.discovery.compose import compose_config
+
+    waits: list[float] = []
+
+    class Clock:
+        """The client module's ``time``: its waits between tries recorded, not slept."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        sleep = staticmethod(waits.append)
+
+    monkeypatch.setattr(client_module, "time", Clock())
+
+    answers = _Answers()
+    config = compose_config(["remote_backend=arctic", f"remote_backend.comms.url={answers.url}"])
+    assert config.remote_backend.comms.retries == 3
+
+    def tried(operation: str, script: list[int | None], retries: int = 3) -> tuple[int, list[float], str]:
+        """How often ``operation`` was sent against answers ``script``, the waits between, and its outcome."""
+        answers.answer(script)
+        waits.clear()
+        config.remote_backend.comms.retries = retries
+        client = ArcticSettings.of(config).client(generation)
+        try:
+            client.call(operation, job_id=1, body={})
+            outcome = "answered"
+        except ArcticError as exc:
+            outcome = f"failed (transient: {is_transient(exc)})"
+        finally:
+            client.close()
+        return answers.requests, list(waits), outcome
+
+    reading = {"health", "status", "job", "weight_norm"}
+    assert {name for name, spec in _ROUTES[generation].items() if spec.idempotent} == reading
+    try:
+        for operation in sorted(_ROUTES[generation]):
+            if operation in reading:  # after a 503 and a cut connection, or four 503s
+                assert tried(operation, [503, None, 502]) == (4, [1.0, 2.0, 4.0], "answered"), operation
+                assert tried(operation, [503] * 4) == (4, [1.0, 2.0, 4.0], "failed (transient: True)"), operation
+                assert tried(operation, [404]) == (1, [], "failed (transient: False)"), operation
+            else:  # the server may have done it: once
+                assert tried(operation, [503]) == (1, [], "failed (transient: True)"), operation
+                assert tried(operation, [None]) == (1, [], "failed (transient: True)"), operation
+        assert tried("health", [503] * 4, retries=1) == (2, [1.0], "failed (transient: True)")
+        assert tried("health", [503], retries=0) == (1, [], "failed (transient: True)")
+    finally:
+        answers.close()

@@ -78,6 +78,8 @@ def test_check_of_an_unknown_backend_exits_2_naming_the_installed_ones(cli_main:
         ("[pad_log_prob_at_end,no_loss_key,load_nothing]", "checkpoint", "restore the weights"),
         # The weights restored, the optimizer not: a resumed run would take other steps.
         ("optimizer_not_saved", "checkpoint", "save and restore the optimizer's state with the weights"),
+        # A job left on its service, which no local process or actor shows: the backend's left_on_service says.
+        ("leaves_a_job", "destroy", "release in destroy everything the backend made on its service"),
     ],
 )
 def test_a_broken_backend_fails_the_check_that_names_its_defect(
@@ -89,9 +91,13 @@ def test_a_broken_backend_fails_the_check_that_names_its_defect(
     assert [marks[n] for n in CHECK_NAMES[:position]] == ["ok"] * position  # everything before it passes
     assert marks[failing] == "FAIL"
     assert all(marks[n] == "skip" for n in CHECK_NAMES[position + 1 : -1])
-    assert marks["destroy"] == "ok"  # the backend is destroyed whatever failed
+    if failing != "destroy":
+        assert marks["destroy"] == "ok"  # the backend is destroyed whatever failed
+        assert "[ok  ] destroy: twice, nothing left here nor on the service" in out  # the local engine's answer
     failure = out.split(f"[FAIL] {failing}")[1].split("\n[")[0]  # its line and its fix
     assert "fix: " in failure and fix in failure
+    if defect == "leaves_a_job":
+        assert "[FAIL] destroy: left on the service: faulty job 1 (RUNNING)\n" in out
     if "pad_log_prob_at_end" in defect:
         assert "the last positions hold [-2.5], which verl never reads" in out
         assert re.search(
@@ -150,7 +156,7 @@ def test_the_gradient_check_names_the_loss_and_the_mistake_of_a_backend_that_tra
     from verl_remote.testing.checks import CheckFailed
 
     loss = f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"
-    conformance = Conformance("faulty", (f"remote_backend.defect={defect}", loss), precision=precision)
+    conformance = Conformance("faulty", (f"remote_backend.defect={defect}", loss), losses=[{}], precision=precision)
     try:
         for needed in ("check_spec", "check_from_config", "check_worker_reattaches", "check_sampler_reattaches"):
             getattr(conformance, needed)()
@@ -169,6 +175,67 @@ def test_the_gradient_check_names_the_loss_and_the_mistake_of_a_backend_that_tra
     )
     assert off is not None, said
     assert "actor_loss_gradient" in failed.value.hint
+
+
+def _gradient(*overrides: str, losses: Any = None) -> tuple[str, list[str]]:
+    """The gradient check of the faulty backend with ``overrides`` (only what it needs runs before it): its line,
+    or its failure's, and the progress lines it gave, one per loss."""
+    from verl_remote.testing import Conformance
+    from verl_remote.testing.checks import CheckFailed
+
+    progress: list[str] = []
+    conformance = Conformance("faulty", overrides, losses=losses, on_progress=progress.append)
+    try:
+        for needed in ("check_spec", "check_from_config", "check_worker_reattaches", "check_sampler_reattaches"):
+            getattr(conformance, needed)()
+        try:
+            said = conformance.check_gradient()
+        except CheckFailed as exc:
+            said = f"FAIL {exc}"
+    finally:
+        conformance.close()
+    assert live_actors() == []
+    return said, progress
+
+
+@pytest.mark.faults
+def test_the_gradient_check_covers_every_loss_mode_the_backend_claims_by_default(ray_cluster: Any) -> None:
+    """Configured with the vanilla loss, a backend that trains vanilla whatever loss_mode says passed when only the
+    configured loss was compared; by default each policy loss mode the backend claims is, the configured first.
+    One that claims the vanilla loss only (its preflight refuses the others, naming loss_mode) passes, saying
+    which it refuses."""
+    modes = sorted(POLICY_LOSS_REGISTRY, key=lambda mode: (mode != "vanilla", mode))
+    said, progress = _gradient("remote_backend.defect=vanilla_always")
+    assert said.startswith("FAIL loss_mode=") and "it trains verl's vanilla loss whatever loss_mode says" in said
+    assert progress[0].startswith(f"gradient 1/{len(modes)}: loss_mode=vanilla: within "), progress
+    assert all(re.fullmatch(r"gradient \d+/\d+: .*: within \d+\.\d% of verl's move \(\d+\.\d s\)", p) for p in progress)
+    failed = said.removeprefix("FAIL loss_mode=").split(":")[0]
+    assert failed != "vanilla" and modes.index(failed) == len(progress)  # the first mode that is not vanilla's
+
+    said, progress = _gradient("remote_backend.defect=[vanilla_always,claims_vanilla_only]")
+    refused = ", ".join(mode for mode in modes if mode != "vanilla")
+    assert said.startswith("loss_mode=vanilla: verl's update within ")
+    assert said.endswith(f"; not claimed (its preflight refuses them): {refused}"), said
+    assert len(progress) == 1
+
+
+@pytest.mark.faults
+def test_a_backend_that_fixes_its_loss_when_it_is_made_passes_each_loss_on_a_backend_made_for_it(
+    ray_cluster: Any,
+) -> None:
+    """Its engine trains the loss of the config it was made with, whatever the forwarder's says: right in a run,
+    whose configs agree. Each loss other than the configured one is compared on a backend made for it."""
+    losses = [{"policy_loss.loss_mode": "vanilla"}, {"policy_loss.loss_mode": "gspo"}, {"loss_agg_mode": "token-sum"}]
+    said, progress = _gradient("remote_backend.defect=loss_fixed_at_creation", losses=losses)
+    assert said.startswith("3 losses: verl's update within "), said
+    assert said.endswith(
+        "; the backend takes its loss from the config it is made with: each loss on a backend made for it"
+    )
+    assert progress[0].endswith(" s)") and [p.endswith(", on a backend made for it)") for p in progress] == [
+        False,
+        True,
+        True,
+    ], progress
 
 
 def test_authors_test_files_check_as_pytest_items_and_a_declared_expected_failure_that_passes_fails(

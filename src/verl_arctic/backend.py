@@ -304,6 +304,30 @@ class ArcticBackend(RemoteBackend):
         if self.server is not None:
             await asyncio.to_thread(stop_server, self.server)
 
+    async def left_on_service(self) -> list[str]:
+        """The jobs this backend created that the server still has (its ``GET /job/{id}`` answers, a job it no
+        longer has answers 404); none once the server this backend launched is stopped, which took them along."""
+        if self._destroyed and self.server is not None:
+            return []
+        return await asyncio.to_thread(self._jobs_on_server)
+
+    def _jobs_on_server(self) -> list[str]:
+        arctic = ArcticSettings.of(OmegaConf.create({"remote_backend": self.settings}))
+        client = arctic.client(self.client.generation, retries=0)  # this backend's own is closed by destroy
+        left = []
+        try:
+            for job_type, job_id in self.jobs.items():
+                try:
+                    status = client.job(job_id).get("status")
+                except ArcticError as exc:
+                    if exc.status == 404:
+                        continue
+                    raise
+                left.append(f"{job_type} job {job_id} ({status}) on {client.url}")
+        finally:
+            client.close()
+        return left
+
     # -- compute, used by this backend's worker and rollout server ---------------------------------
 
     def forward(self, payload: dict[str, Any], *, reference: bool) -> dict[str, Any]:

@@ -9,7 +9,6 @@ under verl's checkpoint folder; resume makes a training client from that state, 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -130,6 +129,8 @@ class TinkerBackend(RemoteBackend):
         self.service = service
         self.session = service.actor()
         self.reduction = reduction
+        self.left: list[str] = []  # what destroy could not release on the service (left_on_service)
+        self._closed = False
 
     @classmethod
     def probe_service(cls, main_config: Any) -> None:
@@ -258,9 +259,18 @@ class TinkerBackend(RemoteBackend):
     async def destroy(self) -> None:
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayActorError, ValueError):  # the session is gone already
-            await self.session.close.remote()
+        if not self._closed:
+            self._closed = True
+            try:
+                self.left += await self.session.close.remote()
+            except (ray.exceptions.RayActorError, ValueError):  # the session ended first: its models not unloaded
+                self.left.append("the run's models (its session ended before destroy could unload them)")
         self.service.stop()
+
+    async def left_on_service(self) -> list[str]:
+        """The models the service did not confirm unloading when destroy asked it to (their ``unload_model``
+        answers)."""
+        return list(self.left)
 
     # -- compute, used by this backend's worker and replica -------------------------------------
 

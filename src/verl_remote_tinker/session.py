@@ -122,24 +122,28 @@ class TinkerSession:
         await self.update_sampler(wait=True)
         return {"model_id": str(self.training.model_id)}
 
-    async def close(self) -> None:
-        """Unload every model this run created; idempotent."""
+    async def close(self) -> list[str]:
+        """Unload every model this run created; idempotent. Returns the models the service did not confirm
+        unloading, each with its answer."""
         if self.service is None:
-            return
+            return []
         if self.saving is not None and not self.saving.done():
             with contextlib.suppress(Exception):  # the service may be gone; destroy must still finish
                 await asyncio.wait_for(asyncio.shield(self.saving), UNLOAD_TIMEOUT_S)
+        left = []
         for model_id in list(self.model_ids):
             try:
                 await self._unload(model_id)
             except Exception as exc:  # the service may be gone; destroy must still finish
                 log.warning("verl-remote-tinker: could not unload model %s: %s", model_id, exc)
+                left.append(f"model {model_id} (unload_model: {one_line(exc)})")
         self.model_ids = []
         try:
             await asyncio.wait_for(sdk.finish(self.service), UNLOAD_TIMEOUT_S)
         except Exception as exc:  # the service may be gone; destroy must still finish
             log.warning("verl-remote-tinker: could not end the session: %s", one_line(exc))
         self.service = None
+        return left
 
     # -- log-probs ---------------------------------------------------------------------------------
 

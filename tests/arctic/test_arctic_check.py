@@ -46,6 +46,9 @@ def test_verl_arctic_passes_the_conformance_checks_that_its_protocol_allows(
         assert failed == ["checkpoint"], lines
         assert "has no load-checkpoint call, so a run cannot resume on it" in lines
         assert overlap.skipped and gradient.skipped and export.skipped  # they need a checkpoint loaded
+    # destroy asked the server for the jobs it made (left_on_service): none is left.
+    [destroy] = [result for result in results if result.name == "destroy"]
+    assert destroy.ok and destroy.detail == "twice, nothing left here nor on the service", lines
     assert live_actors() == []
     assert arctic_jobs(url) == {}  # every job the checks made is destroyed on the server
     assert list(tmp_path.iterdir()) == []

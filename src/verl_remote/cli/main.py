@@ -340,6 +340,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             args.name,
             args.overrides,
             on_result=lambda r: print(r.line(), flush=True),
+            on_progress=lambda line: print(f"       {line}", flush=True),
             losses=_losses(args.losses),
             precision=args.precision,
         )
@@ -474,8 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--losses",
         metavar="LIST",
         help="the losses the gradient check compares with verl's: 'all' (every policy loss verl has, every "
-        "aggregation, the KL loss) or names, comma-separated (gspo,cispo,seq-mean-token-mean); by default the "
-        "configured loss (actor_rollout_ref.actor.policy_loss.loss_mode, ...)",
+        "aggregation, the KL loss) or names, comma-separated (gspo,cispo,seq-mean-token-mean); by default every "
+        "policy loss mode the backend claims (each its preflight accepts), with the configured aggregation and KL "
+        "term",
     )
     p.add_argument(
         "--precision",

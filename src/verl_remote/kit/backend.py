@@ -23,7 +23,7 @@ __all__ = ["RemoteBackend"]
 # one of these with the other flavour would fail far from its definition (an
 # un-awaited coroutine, or "object is not awaitable" inside verl's loop), so the
 # mismatch is rejected when the subclass is defined.
-_ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy", "service_waits")
+_ASYNC_METHODS = ("update_weights", "save_checkpoint", "load_checkpoint", "destroy", "service_waits", "left_on_service")
 _SYNC_METHODS = ("reconnect_handle",)
 # Asked before anything exists (the preflight), so they are classmethods.
 _CLASS_METHODS = (
@@ -226,3 +226,11 @@ class RemoteBackend(abc.ABC):
         costs a step. Optional; the default reports nothing.
         """
         return {}
+
+    async def left_on_service(self) -> list[str] | None:
+        """What the backend made on its service and is still there, asked after :meth:`destroy`: one line a
+        person can act on per thing (verl-arctic: ``training job 7 (RUNNING)``; verl-remote-tinker: a model it
+        could not unload), ``[]`` when nothing is. Ask the service where it can tell, rather than what this
+        process remembers releasing. ``verl-remote check``'s ``destroy`` fails naming each line. Optional: the
+        default, ``None``, reports nothing, and the check says so."""
+        return None

@@ -34,13 +34,16 @@ def check_backend(
     expected_failures: Collection[str] = (),
     losses: Sequence[Mapping[str, Any]] | str | None = None,
     precision: str = "fp32",
+    on_progress: Callable[[str], None] | None = None,
 ) -> list[CheckResult]:
     """Run every check against backend ``name`` (config ``remote_backend=name`` plus ``overrides``). A check
     named in ``expected_failures`` that fails does not stop the checks after it. ``losses`` are the losses the
     gradient check compares, each as settings of ``actor_rollout_ref.actor`` (dotted keys) on top of the
-    config's, or ``"all"``: every policy loss verl has, every aggregation, the KL loss; by default the
-    configured loss. ``precision``: the one the service computes in, ``"fp32"`` or ``"bf16"``: what the checks
-    allow it (:data:`verl_remote.testing.checks.PRECISIONS`; ``atol`` overrides its log-prob tolerance).
+    config's, or ``"all"``: every policy loss verl has, every aggregation, the KL loss; by default every policy
+    loss mode the backend claims (each its preflight accepts, with the configured aggregation and KL term;
+    ``[{}]``: the configured loss only); ``on_progress`` is called with a line as each loss is done.
+    ``precision``: the one the service computes in, ``"fp32"`` or ``"bf16"``: what the checks allow it
+    (:data:`verl_remote.testing.checks.PRECISIONS`; ``atol`` overrides its log-prob tolerance).
 
     Starts a Ray instance of its own (8 logical CPUs, like a run) unless Ray is running in this process, and
     stops it after; the backend is destroyed however the checks end.
@@ -55,7 +58,9 @@ def check_backend(
         losses = every_loss()
     elif isinstance(losses, str):
         raise ValueError(f"losses={losses!r}: give 'all' or a list of settings")
-    conformance = Conformance(name, tuple(overrides), atol=atol, losses=losses or ({},), precision=precision)
+    conformance = Conformance(
+        name, tuple(overrides), atol=atol, losses=losses, precision=precision, on_progress=on_progress
+    )
     started = not ray.is_initialized()
     if started:
         quiet_local_ray_auth()

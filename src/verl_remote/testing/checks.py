@@ -141,8 +141,9 @@ class Conformance:
         overrides: tuple[str, ...] = (),
         *,
         atol: float | None = None,
-        losses: Sequence[Mapping[str, Any]] = ({},),
+        losses: Sequence[Mapping[str, Any]] | None = None,
         precision: str = "fp32",
+        on_progress: Callable[[str], None] | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -152,8 +153,11 @@ class Conformance:
         self.precision = precision
         self.tolerances = PRECISIONS[precision]
         self.atol = self.tolerances.atol if atol is None else atol
-        #: The losses the gradient check compares, each as actor settings on top of the config's ({}: as configured).
-        self.losses = [dict(settings) for settings in losses]
+        #: The losses the gradient check compares, each as actor settings on top of the config's ({}: as configured);
+        #: None: every policy loss mode the backend claims (:meth:`claimed_losses`).
+        self.losses = None if losses is None else [dict(settings) for settings in losses]
+        #: Called with a line as each loss of the gradient check is done (``verl-remote check`` prints it).
+        self.on_progress = on_progress
         self.state = _State()
         self._made: set[str] = set()
         self._baseline: set[int] = set()
@@ -474,18 +478,47 @@ class Conformance:
 
     def _refuses_temperature(self, temperature: float) -> str | None:
         """The key the backend's preflight names when it refuses a run at this rollout temperature; None when it
-        takes it (a refusal for another reason, its service's port now taken by the check's own run, say, is
-        not about the temperature)."""
+        takes it."""
+        return self._refused({"rollout.temperature": temperature}, "temperature")
+
+    def _refused(self, settings: Mapping[str, Any], word: str) -> str | None:
+        """The key the backend's preflight names when it refuses a run whose ``actor_rollout_ref`` has
+        ``settings`` (dotted keys) on top of the checked config's, and the refusal is about ``word``; None when it
+        takes it (a refusal for another reason, its service's port now taken by the check's own run, say, is not
+        about the setting)."""
+        from omegaconf import OmegaConf, open_dict
+
         from verl_remote.discovery.registry import load_backend_class
 
         config = copy.deepcopy(self.state.config)
-        config.actor_rollout_ref.rollout.temperature = temperature
+        with open_dict(config):
+            for key, value in settings.items():
+                OmegaConf.update(config.actor_rollout_ref, key, value, force_add=True)
         try:
             load_backend_class(self.name).preflight(config)
         except ValueError as exc:
             said = str(exc)
-            return said.split(":")[0] if "temperature" in said else None
+            return said.split(":")[0] if word in said else None
         return None
+
+    def claimed_losses(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """The losses the gradient check compares by default: each policy loss mode verl has that the backend
+        claims (its preflight does not refuse a run with it, naming ``loss_mode``), the configured mode first,
+        each with the configured aggregation and KL term; and the modes it refuses."""
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+        from verl_remote.testing.gradient import NEEDS
+
+        configured = str(self.state.config.actor_rollout_ref.actor.policy_loss.loss_mode)
+        claimed, refused = [], []
+        for mode in sorted(POLICY_LOSS_REGISTRY, key=lambda name: (name != configured, name)):
+            settings = {"policy_loss.loss_mode": mode, **NEEDS.get(mode, {})}
+            actor = {f"actor.{key}": value for key, value in settings.items()}
+            if self._refused(actor, "loss_mode"):
+                refused.append(mode)
+            else:
+                claimed.append(settings)
+        return claimed, refused
 
     def check_checkpoint(self) -> str:
         """save, train, load: load_checkpoint restores the log-probs of the save exactly, and the optimizer's state
@@ -565,10 +598,13 @@ class Conformance:
         return f"max difference {worst:.2g}"
 
     def check_gradient(self) -> str:
-        """gradient: the update the backend applies is the one verl's loss asks for (each loss asked, in turn).
+        """gradient: the update the backend applies is the one verl's loss asks for (each loss asked, in turn; by
+        default each policy loss mode the backend claims).
 
         verl_remote.testing.gradient says how: from one saved state, the backend's update against the same
-        gradient carried by a probe every backend trains alike."""
+        gradient carried by a probe every backend trains alike. A backend that takes its loss from the config
+        it is made with (not from each forwarder's) is right in a run, whose configs agree: a loss it fails on
+        the checked backend is compared again on a backend made for that loss, and the losses after it too."""
         import ray
 
         from verl_remote.testing import gradient as g
@@ -580,13 +616,19 @@ class Conformance:
         asyncio.run(self.state.backend.save_checkpoint(3, path))
         current = self._log_probs(rows, lengths)
         actor = self.state.config.actor_rollout_ref.actor
+        losses, refused = (self.losses, []) if self.losses is not None else self.claimed_losses()
+        made: dict[str, tuple[Any, Any]] = {}  # backends made for a loss, and their forwarders, by its settings
 
-        def update(settings: dict[str, Any], batch: tuple[Any, ...]) -> np.ndarray:
-            """The response tokens' log-probs after one update from the saved state by a run with ``settings``."""
-            asyncio.run(self.state.backend.load_checkpoint(3, path))
-            ray.get(self.state.worker.use_actor.remote(settings), timeout=600)
-            self._update(*batch)
-            return np.concatenate(_responses_of(self._log_probs(rows, lengths), rows, responses))
+        def update(settings: dict[str, Any], batch: tuple[Any, ...], own: bool) -> np.ndarray:
+            """The response tokens' log-probs after one update from the saved state by a run with ``settings``:
+            through the checked backend's forwarder for them, or (``own``) a backend made with them."""
+            backend, worker = self.state.backend, self.state.worker
+            if own and settings:
+                backend, worker = self._made_for(settings, made)
+            asyncio.run(backend.load_checkpoint(3, path))
+            ray.get(worker.use_actor.remote({} if own else settings), timeout=600)
+            self._update(*batch, worker=worker)
+            return np.concatenate(_responses_of(self._log_probs(rows, lengths, worker=worker), rows, responses))
 
         rtol = self.tolerances.gradient_rtol
         if self.tolerances.probe_on_own_rows:
@@ -595,8 +637,8 @@ class Conformance:
             probing = {**g.probe_settings(actor), "loss_agg_mode": "token-sum"}
             probe_actor = g.with_settings(actor, probing)
 
-            def probe(under: g.LossUnderTest, gradient: list[np.ndarray]) -> np.ndarray:
-                return update(probing, g.own_rows_batch(under, gradient, probe_actor))
+            def probe(under: g.LossUnderTest, own: bool, gradient: list[np.ndarray]) -> np.ndarray:
+                return update(probing, g.own_rows_batch(under, gradient, probe_actor), own)
 
         else:
             probing = g.probe_settings(actor)
@@ -604,41 +646,98 @@ class Conformance:
             # The probe's old log-probs as the service scores the probe's own rows: its ratio is exactly 1.
             own_rows, own_responses = g.probe_rows(rows, responses)
             scored = self._log_probs(own_rows, [1] * len(own_rows))
-            own = np.concatenate(_responses_of(scored, own_rows, own_responses))
+            own_scores = np.concatenate(_responses_of(scored, own_rows, own_responses))
 
-            def probe(under: g.LossUnderTest, gradient: list[np.ndarray]) -> np.ndarray:
-                *batch, meta = g.probe_batch(rows, responses, own, gradient, len(rows), probe_actor)
-                return update(probing, (*batch, meta))
+            def probe(under: g.LossUnderTest, own: bool, gradient: list[np.ndarray]) -> np.ndarray:
+                *batch, meta = g.probe_batch(rows, responses, own_scores, gradient, len(rows), probe_actor)
+                return update(probing, (*batch, meta), own)
 
         start = np.concatenate(_responses_of(current, rows, responses))
-        worst, worst_label = 0.0, ""
+
+        def compare(settings: dict[str, Any], own: bool) -> tuple[float, str]:
+            """How far the backend's update for ``settings`` landed from verl's, as a share of verl's move."""
+            under = g.LossUnderTest(settings, g.with_settings(actor, settings), rows, responses, current)
+            fields, meta = under.mini_batch()
+            landed = update(settings, (rows, responses, fields, [[1] * len(r) for r in responses], meta), own)
+            expected = probe(under, own, under.gradient())
+            apart, moved = g.apart(landed, expected, start)
+            label = g.loss_label(settings, under.actor)
+            _expect(moved > 0, f"{label}: an update by verl's gradient moved no log-prob", "apply the gradients")
+            if apart > rtol * moved:
+                why = g.explain(under, landed, start, rtol, functools.partial(probe, under, own))
+                raise CheckFailed(
+                    f"{label}: the update is not verl's: the log-probs after it are {apart / moved:.0%} of verl's "
+                    f"update away from those after verl's gradient ({self._allowed()}){why}",
+                    "apply verl's loss for the forwarder's actor config (self.config.actor, which verl builds "
+                    "each run's forwarder with): verl_remote.actor_loss on the service, or "
+                    "verl_remote.actor_loss_gradient carried by a loss the service has",
+                )
+            return apart / moved, label
+
+        worst, worst_label, fixed = 0.0, "", False
         try:
-            for settings in self.losses:
-                under = g.LossUnderTest(settings, g.with_settings(actor, settings), rows, responses, current)
-                fields, meta = under.mini_batch()
-                landed = update(settings, (rows, responses, fields, [[1] * len(r) for r in responses], meta))
-                expected = probe(under, under.gradient())
-                apart, moved = g.apart(landed, expected, start)
-                label = g.loss_label(settings, under.actor)
-                _expect(moved > 0, f"{label}: an update by verl's gradient moved no log-prob", "apply the gradients")
-                if apart > rtol * moved:
-                    why = g.explain(under, landed, start, rtol, functools.partial(probe, under))
-                    raise CheckFailed(
-                        f"{label}: the update is not verl's: the log-probs after it are {apart / moved:.0%} of verl's "
-                        f"update away from those after verl's gradient ({self._allowed()}){why}",
-                        "apply verl's loss for the forwarder's actor config (self.config.actor, which verl builds "
-                        "each run's forwarder with): verl_remote.actor_loss on the service, or "
-                        "verl_remote.actor_loss_gradient carried by a loss the service has",
-                    )
-                if apart / moved >= worst:
-                    worst, worst_label = apart / moved, label
+            for number, settings in enumerate(losses, 1):
+                began = time.monotonic()
+                try:
+                    share, label = compare(settings, fixed)
+                except CheckFailed:
+                    if fixed or not (settings or probing):
+                        raise
+                    share, label = compare(settings, True)  # its failure there is the backend's
+                    fixed = True  # it fixes its loss when it is made: the losses after on backends of their own
+                self._progress(
+                    f"gradient {number}/{len(losses)}: {label}: within {share:.1%} of verl's move "
+                    f"({time.monotonic() - began:.1f} s{', on a backend made for it' if fixed else ''})"
+                )
+                if share >= worst:
+                    worst, worst_label = share, label
         finally:
+            for backend, worker in made.values():
+                with contextlib.suppress(Exception):
+                    ray.kill(worker, no_restart=True)
+                with contextlib.suppress(Exception):
+                    asyncio.run(backend.destroy())
             ray.get(self.state.worker.use_actor.remote({}), timeout=600)
             asyncio.run(self.state.backend.load_checkpoint(3, path))
         within = f"verl's update within {worst:.1%} of its move ({self._allowed()})"
-        if len(self.losses) == 1:
-            return f"{worst_label}: {within}"
-        return f"{len(self.losses)} losses: {within}, the farthest {worst_label}"
+        notes = ""
+        if fixed:
+            notes += "; the backend takes its loss from the config it is made with: each loss on a backend made for it"
+        if refused:
+            notes += f"; not claimed (its preflight refuses them): {', '.join(refused)}"
+        if len(losses) == 1:
+            return f"{worst_label}: {within}{notes}"
+        return f"{len(losses)} losses: {within}, the farthest {worst_label}{notes}"
+
+    def _made_for(self, settings: dict[str, Any], made: dict[str, tuple[Any, Any]]) -> tuple[Any, Any]:
+        """A backend made from the checked config with ``settings`` on its actor, as a run with that loss makes it,
+        and its forwarder re-attached in a Ray worker process of its own (made once per settings, in ``made``)."""
+        import json
+
+        import ray
+
+        from verl_remote.discovery.registry import load_backend_class
+        from verl_remote.integration.handoff import attach as attach_handoff
+        from verl_remote.testing import gradient as g
+        from verl_remote.testing.hosts import WorkerHost
+
+        key = json.dumps(settings, sort_keys=True)
+        if key not in made:
+            config = copy.deepcopy(self.state.config)
+            config.actor_rollout_ref.actor = g.with_settings(config.actor_rollout_ref.actor, settings)
+            backend = load_backend_class(self.name).from_config(config)
+            made[key] = (backend, None)
+            attach_handoff(config, self.name, backend.reconnect_handle())
+            worker = (
+                ray.remote(WorkerHost).options(num_cpus=0).remote(self.name, config.actor_rollout_ref, _free_port())
+            )
+            made[key] = (backend, worker)
+            ray.get(worker.pid.remote(), timeout=600)
+        return made[key]
+
+    def _progress(self, line: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(line)
 
     def _allowed(self) -> str:
         """How the gradient check compares, and what it allows."""
@@ -678,7 +777,8 @@ class Conformance:
         return f"max difference {off:.2g} (the update moved them by {live:.2g})"
 
     def check_destroy(self) -> str:
-        """destroy: idempotent, and nothing the backend started is left running."""
+        """destroy: idempotent, nothing the backend started is left running here, and nothing it made is left on
+        its service (what the backend's left_on_service reports)."""
         import ray
 
         named_before = set(self._named_actors())
@@ -702,17 +802,31 @@ class Conformance:
             f"processes left: {sorted(left_processes.values())}",
             "stop the processes the backend started",
         )
-        return "twice, nothing left"
+        left = asyncio.run(self.state.backend.left_on_service())
+        _expect(
+            not left,
+            f"left on the service: {'; '.join(map(str, left or []))}",
+            "release in destroy everything the backend made on its service (its jobs, models, sessions)",
+        )
+        if left is None:
+            return "twice, nothing left here; what is left on the service not reported (left_on_service)"
+        return "twice, nothing left here nor on the service"
 
     # -- plumbing -------------------------------------------------------------------------------------
 
     def _log_probs(
-        self, rows: list[list[int]], responses: list[int], reference: bool = False, temperature: float = 1.0
+        self,
+        rows: list[list[int]],
+        responses: list[int],
+        reference: bool = False,
+        temperature: float = 1.0,
+        worker: Any = None,
     ) -> np.ndarray:
         import ray
 
         fields = self._fields(rows, responses)
-        out = ray.get(self.state.worker.log_probs.remote(fields, temperature, False, reference), timeout=600)
+        worker = self.state.worker if worker is None else worker
+        out = ray.get(worker.log_probs.remote(fields, temperature, False, reference), timeout=600)
         return np.asarray(out["log_probs"], dtype=np.float64)
 
     def _fields(
@@ -744,14 +858,18 @@ class Conformance:
         fields: dict[str, list[list[float]]],
         masks: list[list[int]],
         meta: dict[str, Any],
+        *,
+        worker: Any = None,
     ) -> None:
-        """One forward-backward pass and optimizer step on a mini-batch of these response-aligned fields."""
+        """One forward-backward pass and optimizer step on a mini-batch of these response-aligned fields (through
+        ``worker``, a forwarder's host; the checked backend's by default)."""
         import ray
 
+        worker = self.state.worker if worker is None else worker
         batch = self._fields(rows, [len(r) for r in responses], masks)
         batch |= {key: _packed(value, np.float32) for key, value in fields.items()}
-        ray.get(self.state.worker.forward_backward.remote(batch, meta), timeout=600)
-        ray.get(self.state.worker.optimizer_step.remote(), timeout=600)
+        ray.get(worker.forward_backward.remote(batch, meta), timeout=600)
+        ray.get(worker.optimizer_step.remote(), timeout=600)
 
     def _sample_rows(self, max_tokens: int, temperature: float = 1.0) -> tuple[list[list[int]], list[list[int]]]:
         import ray

@@ -172,6 +172,14 @@ class LocalBackend(RemoteBackend):
             await asyncio.wait_for(self.engine.close.remote(), timeout=CLOSE_TIMEOUT_S)
         self.service.stop()
 
+    async def left_on_service(self) -> list[str]:
+        """The engine actor, while Ray still has it."""
+        try:
+            ray.get_actor(self.service.name, namespace=self.service.namespace)
+        except ValueError:
+            return []
+        return [f"the engine actor {self.service.name} (Ray namespace {self.service.namespace})"]
+
     # -- compute, used by this backend's worker and replica -------------------------------------
 
     def compute_log_prob(

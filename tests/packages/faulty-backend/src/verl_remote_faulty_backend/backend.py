@@ -11,10 +11,13 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import OmegaConf
 
-from verl_remote import RemoteRolloutServer, SampleResult, SamplingParams
+from verl_remote import RemoteRolloutServer, SampleResult, SamplingParams, pack_fields
 from verl_remote.backends.local.backend import LocalBackend
 from verl_remote.backends.local.rollout import LocalRolloutReplica, LocalRolloutServer
-from verl_remote.backends.local.worker import LocalForwarderWorker
+from verl_remote.backends.local.worker import TRAIN_FIELDS, LocalForwarderWorker
+
+#: The faulty backend's pretend service-side ledger, in the run's folder: the jobs it made there and holds.
+LEDGER = "faulty-service-jobs.json"
 
 
 class InjectedFailure(RuntimeError):
@@ -23,6 +26,8 @@ class InjectedFailure(RuntimeError):
 
 class FaultyBackend(LocalBackend):
     settings: dict[str, Any]
+    #: Where its pretend service keeps the job it made (the leaves_a_job defect), or None.
+    ledger: str | None
 
     @classmethod
     def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> FaultyBackend:
@@ -33,7 +38,33 @@ class FaultyBackend(LocalBackend):
         backend = super().from_config(main_config, handle=handle)
         assert isinstance(backend, FaultyBackend)
         backend.settings = dict(main_config.remote_backend)
+        backend.ledger = None
+        if handle is None and backend.has_defect("leaves_a_job"):
+            # A job made on its (pretend) service, which destroy forgets: only the service can tell it is there.
+            backend.ledger = os.path.join(str(main_config.trainer.default_local_dir), LEDGER)
+            os.makedirs(os.path.dirname(backend.ledger), exist_ok=True)
+            with open(backend.ledger, "w") as fp:
+                json.dump(["faulty job 1 (RUNNING)"], fp)
         return backend
+
+    @classmethod
+    def preflight(cls, main_config: Any) -> None:
+        super().preflight(main_config)
+        defect = main_config.remote_backend.get("defect")
+        mode = str(main_config.actor_rollout_ref.actor.policy_loss.loss_mode)
+        if defect is not None and "claims_vanilla_only" in str(defect) and mode != "vanilla":
+            raise ValueError(
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}: the faulty backend trains the vanilla loss "
+                "only; set actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"
+            )
+
+    async def left_on_service(self) -> list[str]:
+        """The engine actor while Ray has it, and the jobs its pretend service's ledger holds."""
+        left = await super().left_on_service()
+        if self.ledger is not None and os.path.exists(self.ledger):
+            with open(self.ledger) as fp:
+                left += list(json.load(fp))
+        return left
 
     def has_defect(self, name: str) -> bool:
         """remote_backend.defect: one defect's name, or a list of them."""
@@ -110,6 +141,10 @@ class FaultyWorker(LocalForwarderWorker):
             with open(log, "a") as fp:
                 for response, mask in rows:
                     fp.write(json.dumps({"responses": response.tolist(), "response_mask": mask.tolist()}) + "\n")
+        if self.backend.has_defect("loss_fixed_at_creation"):
+            # No defect where the configs agree (a run's do): the engine's loss, fixed from the config the backend
+            # was made with, whatever this forwarder's actor config says.
+            return self.backend.forward_backward(pack_fields(mini_batch, TRAIN_FIELDS), dict(meta))
         return super().backend_forward_backward(mini_batch, meta)
 
     def loss(self) -> dict[str, Any]:

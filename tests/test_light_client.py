@@ -65,28 +65,40 @@ def test_a_run_waiting_for_its_service_says_so_and_when_it_answered(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import threading
-    import time
+    import types
     from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
 
     from verl_remote.integration import trainer
 
-    monkeypatch.setattr(trainer, "WAIT_NOTE_S", 0.2)
-    start = trainer.BackendStart.__new__(trainer.BackendStart)  # its thread's part played by the timer below
-    start._lock, start._taken, start._made = threading.Lock(), False, Future()
-    start.began = start.ready_at = time.monotonic() - 30  # the service was asked for 30 s ago
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    every = trainer.WAIT_NOTE_S
+    answers_at = 3 * every + 5  # the service answers 5 s after the trainer's third note
 
-    def made() -> None:
-        start.ready_at = time.monotonic()
-        start._made.set_result("the backend")
+    class Service(Future[Any]):
+        """The backend being made, on the test's clock: a wait for it moves the clock on by its timeout, or to
+        the moment the service answers, so the notes are decided by these times alone."""
 
-    threading.Timer(0.7, made).start()
+        def result(self, timeout: float | None = None) -> Any:
+            assert timeout == every
+            if clock.now + timeout < answers_at:
+                clock.now += timeout
+                raise FutureTimeout
+            clock.now = start.ready_at = answers_at  # as BackendStart's thread records it
+            return "the backend"
+
+    start = trainer.BackendStart.__new__(trainer.BackendStart)  # its thread's part played by Service
+    start._lock, start._taken, start._made = threading.Lock(), False, Service()
+    start.began = start.ready_at = clock.now
     assert start.take() == "the backend"
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) >= 3 and set(lines[:-1]) <= {f"verl-remote: waiting for the service ({s} s)" for s in (30, 31)}
-    assert lines[-1] in {f"verl-remote: the service answered after {s} s" for s in (30, 31)}
+    assert capsys.readouterr().out.splitlines() == [
+        *(f"verl-remote: waiting for the service ({k * every:.0f} s)" for k in (1, 2, 3)),
+        f"verl-remote: the service answered after {answers_at:.0f} s",
+    ]
     quick = trainer.BackendStart.__new__(trainer.BackendStart)
     quick._lock, quick._taken, quick._made = threading.Lock(), False, Future()
-    quick.began = quick.ready_at = time.monotonic()
+    quick.began = quick.ready_at = clock.now
     quick._made.set_result("at once")
     assert quick.take() == "at once" and capsys.readouterr().out == ""  # nothing said when nothing was waited for
 

@@ -4,7 +4,6 @@ dashboard, no spare workers prestarted for the driver's first job: docs/measurem
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import psutil
@@ -13,14 +12,31 @@ import pytest
 
 def _ours(word: str) -> list[str]:
     """The command lines of this process's descendants (its Ray instance's processes) that hold ``word``."""
+    return [" ".join(argv) for argv in _descendants() if word in " ".join(argv)]
+
+
+def _workers() -> list[str]:
+    """The command lines of this process's Ray workers: "ray::IDLE" once a worker has named itself, before that
+    Python running Ray's worker scripts (setup_worker.py, which starts default_worker.py), its first arguments (the
+    raylet's own command line names them too, further on)."""
+    scripts = ("/setup_worker.py", "/default_worker.py")
+    return [
+        " ".join(argv)
+        for argv in _descendants()
+        if argv[0].startswith("ray::IDLE") or any(arg.endswith(scripts) for arg in argv[1:3])
+    ]
+
+
+def _descendants() -> list[list[str]]:
+    """The command lines (their arguments) of this process's descendants."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            command = " ".join(child.cmdline())
+            argv = child.cmdline()
         except psutil.Error:
             continue
-        if word in command:
-            found.append(command)
+        if argv:
+            found.append(argv)
     return found
 
 
@@ -37,10 +53,13 @@ def test_a_runs_own_ray_instance_starts_without_a_dashboard_or_spare_workers_unl
     config: Any = compose_config(asked, recipe="demo")
     try:
         _ray_init(config)
-        time.sleep(2)  # Ray prestarts its spare workers as the driver connects
-        # (Without the dashboard Ray still runs its head process, for the job API, but none of its modules.)
+        # What is here when ray.init returns is all there will be, so no wait: Ray's raylet answers the first
+        # driver's registration only once the workers it prestarts for that driver have registered, and ray.init
+        # waits for the dashboard head's address, which the head publishes only after every module process it
+        # starts is ready. (Without the dashboard Ray still runs its head process, for the job API, but none of its
+        # modules.)
         assert bool(_ours("ray-dashboard-")) == bool(asked)
-        assert _ours("ray::IDLE") == []
+        assert _workers() == []
     finally:
         ray.shutdown()
         os.environ.clear()

@@ -402,11 +402,18 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
         for model in lost:
             _unload(server, model)
             LOST.add(model)
-        resumed += "".join(read_until(proc, step_row(5)))
+        resumed += "".join(read_until(proc, step_row(6)))
+        # Each step trained once, through the resume and the restart: the service's own record of its requests
+        # shows one optimizer step a step (the demo's batch is one mini-batch) behind each checkpoint.
+        behind = {}
+        for step in (2, 4, 6):
+            record = tmp_path / "ckpt" / f"global_step_{step}" / "actor" / "tinker_checkpoint.json"
+            behind[step] = _optimizer_steps(server, json.loads(record.read_text())["tinker_path"])
+        assert behind == {2: 2, 4: 4, 6: 6}, behind
     finally:
         server.stop()
     killed_at = time.monotonic()
-    assert steps(resumed) == [3, 4, 5], resumed[-3000:]
+    assert steps(resumed) == [3, 4, 5, 6], resumed[-3000:]
     [restart] = [line for line in resumed.splitlines() if line.startswith("verl-remote: restart ")]
     assert restart.startswith("verl-remote: restart 1 of 1 in 1 s, from global_step_4: a transient fault at step 5: ")
     assert "Tinker call " in restart and re.search(r"Model \S+ not loaded", restart), restart
@@ -447,6 +454,34 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     written = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and p.suffix in {".json", ".log", ".txt"}]
     assert any(p.name == "tinker_checkpoint.json" for p in written) and any(p.suffix == ".log" for p in written)
     assert [p for p in written if key in p.read_text(errors="replace")] == []
+
+
+def _optimizer_steps(server: LocalServer, tinker_path: str) -> int:
+    """The optimizer steps behind a training checkpoint of the service (``tinker://MODEL/weights/NAME``), from its
+    database, where each request is a row in the order it came (skyrl 0.4.0 tinker/api.py, ``create_future``): those
+    its model took before the save, and those behind the checkpoint the model was loaded from with its optimizer
+    (a ``load_weights`` request, a new model's first: api.py ``load_weights``)."""
+    model, kind, name = tinker_path.removeprefix("tinker://").split("/")
+    assert kind == "weights", tinker_path
+    done = "status = 'COMPLETED' and model_id = ?"
+    with sqlite3.connect(server.workdir / "tinker.db") as db:
+        [(save,)] = db.execute(
+            f"select request_id from futures where {done} and request_type = 'SAVE_WEIGHTS' "
+            "and json_extract(request_data, '$.path') = ?",
+            (model, name),
+        ).fetchall()
+        [(taken,)] = db.execute(
+            f"select count(*) from futures where {done} and request_type = 'OPTIM_STEP' and request_id < ?",
+            (model, save),
+        ).fetchall()
+        loads = db.execute(
+            f"select request_data from futures where {done} and request_type = 'LOAD_WEIGHTS'", (model,)
+        ).fetchall()
+    for (data,) in loads:
+        source = json.loads(data)
+        assert source["load_optimizer"], source
+        taken += _optimizer_steps(server, f"tinker://{source['source_model_id']}/weights/{source['checkpoint_id']}")
+    return int(taken)
 
 
 def _export_the_step_two_ways(server: LocalServer, tmp_path: Path, recorded_url: str) -> None:

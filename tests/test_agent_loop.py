@@ -189,3 +189,34 @@ def test_the_batched_agent_loop_stores_what_verls_own_stores(run: dict[str, Any]
         assert _failures(run) == [("EchoRefusal: echo: a prompt", False)] * (2 * N * len(failed))
     finally:
         sampler.close()
+
+
+def test_requests_that_start_while_the_weights_sync_beside_a_step_wait_for_the_new_weights(run: dict[str, Any]) -> None:
+    """The rollout server's hold (RemotePPOTrainer._sync_beside_next_step): a request that arrives after
+    ``hold_requests`` samples, and is tagged with, the version published next, not the one before; a sync that
+    did not finish lets it go on the version it had. Ray starts one caller's calls to an actor in order, and a
+    request takes its first version before its first wait, so without the hold it would read the old one. A new
+    version clears what the server cached of the weights before (verl's clear_kv_cache: Arctic's prefix cache)."""
+    import ray
+
+    server = run["server"]
+    prompt = [1, 2]  # sums to 3: the echo server answers it
+    ray.get(server.set_global_steps.remote(3))
+    clears = ray.get(server.cleared.remote())
+    ray.get(server.hold_requests.remote())
+    held = server.generate_group.remote(prompt, {"temperature": 1.0, "logprobs": True}, 2)
+    ray.get(server.set_global_steps.remote(4))  # the sync's new weights, published
+    for sample in ray.get(held, timeout=60):
+        assert sample["extra_fields"] == {"global_steps": 4, "min_global_steps": 4, "max_global_steps": 4}
+    assert ray.get(server.cleared.remote()) == clears + 1  # what it cached of version 3, cleared before it sampled
+    ray.get(server.set_global_steps.remote(4))
+    assert ray.get(server.cleared.remote()) == clears + 1  # the same weights: nothing to clear
+
+    ray.get(server.hold_requests.remote())
+    held = server.generate_group.remote(prompt, {"temperature": 1.0, "logprobs": True}, 1)
+    ray.get(server.release_requests.remote())  # the sync failed: the request goes on the weights it had
+    assert [s["extra_fields"]["min_global_steps"] for s in ray.get(held, timeout=60)] == [4]
+
+    unheld = server.generate_group.remote(prompt, {"temperature": 1.0, "logprobs": True}, 1)
+    ray.get(server.set_global_steps.remote(5))
+    assert [s["extra_fields"]["min_global_steps"] for s in ray.get(unheld, timeout=60)] == [4]  # no hold: at once

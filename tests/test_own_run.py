@@ -176,10 +176,10 @@ def _steps_of_groups(calls: list[tuple[str, str, float, int]], scores: list[floa
 
 
 def _assert_trained_the_users_task(
-    task: OwnTask, out: Any, ckpt: Path, calls_before: int, *, overlapped: bool = False
+    task: OwnTask, out: Any, ckpt: Path, calls_before: int, *, overlapped: bool = False, trained: int = 2
 ) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert steps(out.stdout) == [1, 2]
+    assert steps(out.stdout) == list(range(1, trained + 1))
     assert "preparing the demo" not in out.stdout and "verl-remote://demo" not in out.stdout + out.stderr
     log = run_log(ckpt)
     assert "verl-remote://demo" not in log and "/verl-remote/demo-v" not in log
@@ -191,11 +191,11 @@ def _assert_trained_the_users_task(
     assert max(metric(log, "prompt_length/max")) <= max(lengths)
     assert max(metric(log, "response_length/max")) > 8
     assert max(metric(log, "response_length/max")) <= MAX_RESPONSE
-    # The user's reward function is the one verl called, for every response of both steps, and its scores are the
+    # The user's reward function is the one verl called, for every response of every step, and its scores are the
     # ones the run trained on.
     # (An overlapped run samples one step ahead: the batch in flight at its end is scored too.)
     calls = task.calls_made()[calls_before:]
-    assert len(calls) == 2 * 4 * 4 or (overlapped and len(calls) == 3 * 4 * 4), len(calls)
+    assert len(calls) == trained * 4 * 4 or (overlapped and len(calls) == (trained + 1) * 4 * 4), len(calls)
     assert {source for source, *_ in calls} == {DATA_SOURCE}
     scores = metric(log, "critic/score/mean")
     if not overlapped:
@@ -215,23 +215,33 @@ def test_the_users_model_data_and_reward_train_on_the_local_backend(own_task: Ow
 
 @pytest.mark.train
 def test_the_users_model_data_and_reward_train_on_the_arctic_test_server(own_task: OwnTask, tmp_path: Path) -> None:
+    from verl_remote.testing.proxy import SLOW, Fault, FaultProxy
+
     port = free_port()
     before = len(own_task.calls_made())
-    with arctic_process("main", tmp_path / "server.log", port=port):
+    with arctic_process("main", tmp_path / "server.log", port=port), FaultProxy(f"http://127.0.0.1:{port}") as proxy:
+        # A weight sync of a second, as a hosted service's: the next step's requests start while it runs.
+        proxy.inject(Fault("/weight-sync", SLOW, times=10, delay_s=1.0))
         out = train(
             tmp_path,
             *own_task.overrides(),
             "remote_backend=arctic",
-            f"remote_backend.comms.url=http://127.0.0.1:{port}",
+            f"remote_backend.comms.url={proxy.url}",
             # Overlapped, as a user with separate engines runs it: each next step sampled while this one trains.
             "trainer.v1.trainer_mode=remote_async",
             "remote_backend.colocate=false",
+            "trainer.total_training_steps=3",  # step 3's samples are the first taken while a sync ran beside them
         )
-    _assert_trained_the_users_task(own_task, out, tmp_path / "ckpt", before, overlapped=True)
+    _assert_trained_the_users_task(own_task, out, tmp_path / "ckpt", before, overlapped=True, trained=3)
     assert "cannot sample while it trains" not in out.stdout + out.stderr
-    # Step 1 on the initial weights' samples, step 2 on samples taken while step 1 trained; the samples in flight
-    # at the end were awaited before the backend was destroyed.
-    assert metric(run_log(tmp_path / "ckpt"), "training/off_policy/trajectory_staleness/max") == [0, 1]
+    # Step 1 on the initial weights' samples, step 2 on samples taken while step 1 trained, step 3 on samples
+    # taken while step 2 trained, from step 1's weights: their requests, sent as step 1's sync ran beside step 2,
+    # waited for it (one update old, not two: without the wait, trainer.v1.remote_async.background_weight_sync=true,
+    # this reads [0, 1, 2]); the samples in flight at the end were awaited before the backend was destroyed.
+    log = run_log(tmp_path / "ckpt")
+    assert metric(log, "training/off_policy/trajectory_staleness/max") == [0, 1, 1]
+    waited, took = metric(log, "timing_s/update_weights_wait"), metric(log, "timing_s/update_weights")
+    assert len(waited) == 2 and len(took) == 2, (waited, took)  # the syncs after steps 1 and 2, each beside a step
     assert "still in flight" not in out.stdout + out.stderr
     assert left_behind(tmp_path) == {}
 

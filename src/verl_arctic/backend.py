@@ -250,10 +250,18 @@ class ArcticBackend(RemoteBackend):
         )
         if self.colocated:
             self.client.wake_inference(sampling, ["kv_cache"])
-        self.client.reset_prefix_cache(sampling)
 
     async def update_weights(self) -> None:
+        """Arctic's weight sync (with the sampler woken around it where the engines share GPUs). The sampler's
+        prefix cache, of the old weights, is reset by the rollout server as the run publishes the new version
+        (:meth:`reset_prefix_cache`): a training call need not wait for that second request, only the next
+        samples do (Arctic's own client sends both, arctic-platform 0.1.4 rl/http_client.py:626-680, as its
+        /weight-sync leaves the cache as it is: common/http_server.py:730-776)."""
         await asyncio.to_thread(self._sync_weights)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop what the sampling engines cached of earlier weights (Arctic's /reset-prefix-cache)."""
+        await asyncio.to_thread(self.client.reset_prefix_cache, self.jobs["sampling"])
 
     async def save_checkpoint(self, step: int, path: str) -> None:
         if self.client.generation == "main":

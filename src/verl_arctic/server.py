@@ -68,6 +68,11 @@ class ArcticRolloutServer(RemoteRolloutServer):
         stop = "aborted" if result.get("finish_reason") == "abort" else "completed"
         return SampleResult(tokens, log_probs, stop)
 
+    async def clear_kv_cache(self) -> None:
+        # The run's new weights are in (update_weights): what the sampler cached of prompts under the old ones goes
+        # before the next request (Arctic's prefix cache).
+        await self.backend.reset_prefix_cache()
+
     async def sleep(self) -> None:
         # Free the sampler's memory for the trainer between rollouts, where they share GPUs; update_weights wakes
         # it with the new weights. Separate engines (remote_backend.colocate=false) have nothing to give back.

@@ -124,9 +124,9 @@ def test_sigterm_sigkill_a_killed_server_and_a_failing_sampler_stop_the_run_and_
         assert steps(cleaned) == [5, 6]
         assert "cannot sample while it trains" not in cleaned
         assert (
-            "verl-remote: the weight sync runs beside the next step (trainer.v1.remote_async.background_weight_sync="
-            "true): a step may train on samples two updates old (verl's training/off_policy/trajectory_staleness up "
-            "to 2)"
+            "verl-remote: the next step's requests do not wait for the weight sync (trainer.v1.remote_async."
+            "background_weight_sync=true): a step may train on samples two updates old (verl's training/off_policy/"
+            "trajectory_staleness up to 2)"
         ) in cleaned
         for kind, job in left["jobs"].items():
             assert f"destroyed {kind} job {job} on {url}, left by a run that did not end cleanly" in cleaned

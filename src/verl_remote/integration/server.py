@@ -85,6 +85,10 @@ class RemoteRolloutServer:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        #: Cleared while an overlapped run's weight sync runs beside its next step: requests that would start
+        #: wait for the new weights (:meth:`hold_requests`).
+        self.weights_ready = asyncio.Event()
+        self.weights_ready.set()
         self.stop_token_ids = model_stop_token_ids(str(model_config.path), lambda: self.tokenizer)
 
     @functools.cached_property
@@ -99,7 +103,24 @@ class RemoteRolloutServer:
         return True
 
     async def set_global_steps(self, global_steps: int) -> None:
-        self.global_steps = int(global_steps)
+        """The training step the sampler's weights now come from: a new one clears what the server cached of the
+        weights before (:meth:`clear_kv_cache`, verl's name); then requests held for them go."""
+        try:
+            if int(global_steps) != self.global_steps:
+                await self.clear_kv_cache()
+            self.global_steps = int(global_steps)
+        finally:  # a failed clear stops the run (the trainer's call fails); nothing is left waiting here
+            self.weights_ready.set()
+
+    async def hold_requests(self) -> None:
+        """Hold the requests that start from now until :meth:`set_global_steps` (or :meth:`release_requests`):
+        the trainer syncs the weights beside its next step, whose samples are to come from the new weights.
+        Requests already sampling go on."""
+        self.weights_ready.clear()
+
+    async def release_requests(self) -> None:
+        """Let held requests go without a new weights version (the sync did not finish)."""
+        self.weights_ready.set()
 
     async def wait_idle(self, timeout_s: float) -> int:
         """Wait until no request is sampling, at most ``timeout_s``; how many still are."""
@@ -146,6 +167,7 @@ class RemoteRolloutServer:
         takes one, as verl-remote-tinker's does). A failure fails the group, as one failed sample fails it in verl;
         a transient one sends the group again, as :meth:`generate` sends a sample again."""
         prompt_ids = [int(t) for t in prompt_ids]
+        await self.weights_ready.wait()
         first_version = self.global_steps
         self.inflight += n
         self.idle.clear()
@@ -172,6 +194,7 @@ class RemoteRolloutServer:
         """One sample's ``TokenOutput`` fields: its tokens, their log-probs, its stop reason and weights versions."""
         # The weights versions this request may have sampled from: an overlapped run publishes a new one while
         # requests sample (verl's trajectory_staleness metrics read the range).
+        await self.weights_ready.wait()
         first_version = self.global_steps
         self.inflight += 1
         self.idle.clear()
@@ -271,6 +294,10 @@ class RemoteRolloutServer:
 
     # verl calls these on every replica; a backend whose sampler holds memory
     # between steps (a KV cache on the trainer's GPUs) overrides sleep/wake_up.
+    # clear_kv_cache also runs when the trainer publishes new weights
+    # (set_global_steps): a sampler that caches what it computed of prompts
+    # across requests (a prefix cache) drops it there, before the requests
+    # held for the new weights go (verl-arctic's resets Arctic's prefix cache).
     async def sleep(self) -> None: ...
     async def wake_up(self, tags: Any = None) -> None: ...
     async def clear_kv_cache(self) -> None: ...

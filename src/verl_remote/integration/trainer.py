@@ -332,10 +332,14 @@ class RemotePPOTrainer(PPOTrainerSync):
         #: Where each step's old log-probs come from (:mod:`verl_remote.integration.old_log_probs`).
         self.old_log_probs = OldLogProbs.of(config, overlap=self.overlap)
         self._old_log_probs_plan = "recompute"  # this step's (OldLogProbs.plan)
-        #: The weight sync runs beside the next step, where the run asks and the backend can
-        #: (RemoteBackend.background_weight_sync); the one in flight.
-        self.background_sync = self.overlap and self._background_sync_asked(config, backend_class)
+        #: An overlapped run's weight sync runs beside the next step where the backend can
+        #: (RemoteBackend.background_weight_sync); the one in flight. While it runs, the rollout servers hold the
+        #: requests that would start (so a step trains on samples at most one update old), unless the run asks them
+        #: not to (:meth:`_holds_for_sync`).
+        self.background_sync = self.overlap and backend_class.background_weight_sync
+        self.hold_for_sync = self._holds_for_sync(config, backend_class) if self.overlap else True
         self._sync: Future[float] | None = None
+        self._sync_read: Future[None] | None = None
         self._syncer: ThreadPoolExecutor | None = None
         use_run_balancer(config)  # under verl's own launcher; verl-remote train's TaskRunner named it already
         start = _BACKEND_START.get()
@@ -347,27 +351,27 @@ class RemotePPOTrainer(PPOTrainerSync):
             self.destroy_backend()
             raise
 
-    def _background_sync_asked(self, config: DictConfig, backend_class: type[RemoteBackend]) -> bool:
-        """``trainer.v1.remote_async.background_weight_sync``: off by default, so that a step trains on samples at
-        most one update old (verl's trajectory_staleness 1); on, the sync of a backend that declares it runs beside
-        the next step, whose requests may then start on the weights before, two updates old when they train. Said
-        in one line either way."""
+    def _holds_for_sync(self, config: DictConfig, backend_class: type[RemoteBackend]) -> bool:
+        """Whether requests wait for the weight sync beside the next step: by default they do, so that a step
+        trains on samples at most one update old (verl's trajectory_staleness 1). A run that asks
+        (``trainer.v1.remote_async.background_weight_sync=true``) lets them start on the weights before the sync,
+        two updates old when they train; said in one line."""
         key = f"trainer.v1.{ASYNC_MODE}.background_weight_sync"
         if not bool(OmegaConf.select(config, key, default=False)):
-            return False
+            return True
         if not backend_class.background_weight_sync:
             print(
                 f"verl-remote: backend '{self.backend_name}' syncs its weights between steps (it does not declare "
                 f"background_weight_sync): {key}=true changes nothing",
                 flush=True,
             )
-            return False
+            return True
         print(
-            f"verl-remote: the weight sync runs beside the next step ({key}=true): a step may train on samples two "
-            "updates old (verl's training/off_policy/trajectory_staleness up to 2)",
+            f"verl-remote: the next step's requests do not wait for the weight sync ({key}=true): a step may train "
+            "on samples two updates old (verl's training/off_policy/trajectory_staleness up to 2)",
             flush=True,
         )
-        return True
+        return False
 
     #: Seconds between verl's checks that a step's samples are in, where verl's own agent-loop workers sample (each
     #: check reads every key's tags from TransferQueue). verl's replay buffer waits 2 s between checks, so every
@@ -634,7 +638,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         return batch
 
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        self._wait_for_sync()  # the update changes the weights the sync reads
+        self._wait_for_sync(read_only=True)  # the update changes the weights the sync reads
         # Whether the old log-probs are the model's as it is now: the update's forwarder tells its backend.
         batch.extra_info[OLD_LOG_PROBS_CURRENT] = self.old_log_probs.current(self._old_log_probs_plan)
         if self._old_log_probs_plan != "sampler":
@@ -658,33 +662,60 @@ class RemotePPOTrainer(PPOTrainerSync):
         return result
 
     def _sync_beside_next_step(self) -> None:
-        """Start the backend's weight sync in a thread and go on (RemoteBackend.background_weight_sync): the
-        replicas get the new version when it is done."""
+        """Start the backend's weight sync in a thread and go on (RemoteBackend.background_weight_sync). The update
+        waits for the sync's call only (:attr:`_sync_read`: it changes the weights the sync reads); the replicas
+        then get the new version, clear what they cached of the old weights (verl's ``clear_kv_cache``) and let go
+        the requests they held meanwhile (:attr:`hold_for_sync`): the next step's samples come from the new weights,
+        while its old log-probs (the trainer's weights, which the sync only reads) run beside the sync."""
         version = int(self.global_steps)
+        servers = self._rollout_servers()
+        if self.hold_for_sync:
+            ray.get([server.hold_requests.remote() for server in servers])
+        began = time.monotonic()
 
-        def sync() -> float:
-            began = time.monotonic()
+        def read() -> None:
             asyncio.run(self.backend.update_weights())
+
+        def publish() -> float:
+            try:
+                read_.result()
+            except BaseException:  # the run stops at the update, which waits for the read; nothing waits on these
+                if self.hold_for_sync and not self._destroyed:
+                    ray.get([server.release_requests.remote() for server in servers])
+                raise
             if not self._destroyed:
-                self._publish_weights_version(version)
+                self._publish_weights_version(version)  # which lets the held requests go
             return time.monotonic() - began
 
         if self._syncer is None:
             self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-remote-sync")
-        self._sync = self._syncer.submit(sync)
+        read_ = self._sync_read = self._syncer.submit(read)
+        self._sync = self._syncer.submit(publish)  # after the read: the executor runs one at a time
 
-    def _wait_for_sync(self) -> None:
-        """Wait for the weight sync in flight, if any; its error stops the run here. The step logs the sync's
-        own time as verl's ``timing_s/update_weights`` (it ran beside this step) and how long the step waited
-        for it as ``timing_s/update_weights_wait``."""
-        sync, self._sync = self._sync, None
+    def _wait_for_sync(self, *, read_only: bool = False) -> None:
+        """Wait for the weight sync in flight, if any (``read_only``: for its call to the backend, not the
+        replicas' new version); its error stops the run here. The step logs the sync's own time as verl's
+        ``timing_s/update_weights`` (it ran beside this step) and how long the step waited for it as
+        ``timing_s/update_weights_wait``."""
+        began = time.monotonic()
+        if read_only:
+            read, self._sync_read = self._sync_read, None
+            if read is None:
+                return
+            read.result()
+            self._count_sync_wait(began)
+            return
+        sync, self._sync, self._sync_read = self._sync, None, None
         if sync is None:
             return
-        began = time.monotonic()
         took = sync.result()
+        self._count_sync_wait(began, took)
+
+    def _count_sync_wait(self, began: float, took: float | None = None) -> None:
         timing = getattr(self, "timing_raw", None)  # the step's; none before the first
         if timing is not None:
-            timing["update_weights"] = timing.get("update_weights", 0.0) + took
+            if took is not None:
+                timing["update_weights"] = timing.get("update_weights", 0.0) + took
             timing["update_weights_wait"] = timing.get("update_weights_wait", 0.0) + time.monotonic() - began
 
     def destroy_backend(self) -> None:

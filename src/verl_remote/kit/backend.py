@@ -151,15 +151,16 @@ class RemoteBackend(abc.ABC):
         return None
 
     #: Whether an overlapped run may go on with its next step while :meth:`update_weights` runs (default
-    #: False). A run that asks for it (``trainer.v1.remote_async.background_weight_sync=true``; off by default,
-    #: as its steps may then train on samples two updates old) calls it in a thread of its own, on the instance
-    #: :meth:`create` returned; the
-    #: next step's log-prob calls run beside it, and the step's update, a checkpoint, a validation and the next
-    #: sync wait until it returns (its error stops the run there). The rollout replicas learn the new weights
-    #: version only once it has returned, so a request that started before is tagged with the older one.
-    #: Declare it when the sync leaves the trainer's weights as they are and the service takes (or queues)
-    #: log-prob calls while it syncs: Arctic's separate engines do (verl-arctic). A sync that is mostly one
-    #: call's latency then costs a step nothing beyond the log-probs'.
+    #: False). Declared, an overlapped run calls it in a thread of its own at the end of each step, on the instance
+    #: :meth:`from_config` created, and goes on: the next step's log-prob calls run beside it, while the rollout
+    #: replicas hold the requests that would start until it has returned and they are told the new weights version
+    #: (which runs their ``clear_kv_cache``), so the next step's samples come from the new weights (a step trains on
+    #: samples at most one update old). The step's update, a checkpoint, a validation and the next sync wait until
+    #: it returns (its error stops the run there). A run that asks
+    #: (``trainer.v1.remote_async.background_weight_sync=true``) lets the held requests start on the weights before,
+    #: two updates old when they train. Declare it when the sync leaves the trainer's weights as they are and the
+    #: service takes (or queues) log-prob calls while it syncs: Arctic's separate engines do (verl-arctic). The
+    #: sync then costs a step only what it takes beyond the old log-probs.
     background_weight_sync: ClassVar[bool] = False
 
     #: The settings under ``remote_backend`` that name a program to start (a command that launches the service:
@@ -183,7 +184,7 @@ class RemoteBackend(abc.ABC):
         so that the trainer goes on with the next step, provided those later requests wait for them and the
         trainer's next change to its weights waits until they are read (verl-remote-tinker does this); or the
         backend declares :attr:`background_weight_sync` and the trainer runs the whole call beside its next
-        step."""
+        step's old log-probs, holding the next samples until it returns."""
 
     @abc.abstractmethod
     async def save_checkpoint(self, step: int, path: str) -> None:

@@ -118,6 +118,8 @@ class _State:
     declines: str | None = None
     #: The checkpoint check's save: its folder, rows, responses and the log-probs of the rows at the save.
     saved: tuple[str, list[list[int]], list[list[int]], np.ndarray] | None = None
+    #: The weights version the rollout server was last told (one more at each sync, as a run's steps).
+    version: int = 0
 
 
 def _packed(rows: list[list[Any]], dtype: Any) -> Any:
@@ -443,7 +445,7 @@ class Conformance:
         """weight sync: after update_weights the sampler's log-probs equal the trainer's for the same tokens, at
         temperature 1 and at another (verl scores the old log-probs at the rollout's temperature), unless the
         backend refuses that temperature before a run (its preflight)."""
-        asyncio.run(self.state.backend.update_weights())
+        self._sync_weights()
         worst = self._sampled_against_trained(1.0)
         _expect(
             worst <= self.atol,
@@ -750,7 +752,7 @@ class Conformance:
             return f"not asked: the backend declines overlapped runs ({self.state.declines})"
         path = os.path.join(self.state.folder, "global_step_2", "actor")
         os.makedirs(path)
-        asyncio.run(self.state.backend.update_weights())
+        self._sync_weights()
         asyncio.run(self.state.backend.save_checkpoint(2, path))
         trained, responses = self._sample_rows(max_tokens=4)
         self._train_step(trained, responses, self._log_probs(trained, [len(r) for r in responses]))
@@ -813,6 +815,16 @@ class Conformance:
         return "twice, nothing left here nor on the service"
 
     # -- plumbing -------------------------------------------------------------------------------------
+
+    def _sync_weights(self) -> None:
+        """A weight sync as the trainer makes it: the backend's update_weights, then the rollout server told of the
+        new weights version (its set_global_steps, which clears what it cached of the old weights)."""
+        import ray
+
+        asyncio.run(self.state.backend.update_weights())
+        self.state.version += 1
+        if self.state.server is not None:
+            ray.get(self.state.server.set_global_steps.remote(self.state.version), timeout=600)
 
     def _log_probs(
         self,

@@ -105,6 +105,10 @@ class ServerHost:
     def vocab_size(self) -> int:
         return len(self.server.tokenizer)
 
+    async def set_global_steps(self, global_steps: int) -> None:
+        """As the trainer tells its servers of new weights after a sync (which clears what they cached)."""
+        await self.server.set_global_steps(global_steps)
+
     async def sample(
         self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any], stop_token_ids: list[int] | None
     ) -> dict[str, Any]:

@@ -14,16 +14,20 @@ import http.client
 import json
 import socket
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["CUT", "Fault", "FaultProxy"]
+__all__ = ["CUT", "SLOW", "Fault", "FaultProxy"]
 
 #: A fault's status that answers nothing: the proxy closes the connection once it read the request.
 CUT = 0
+#: A fault's status that answers as the service does, late: the request waits ``delay_s`` before it goes on (a slow
+#: network or a busy service).
+SLOW = -1
 
 #: Hop-by-hop headers and those the proxy recomputes.
 _DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"}
@@ -32,8 +36,8 @@ _DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-a
 @dataclass
 class Fault:
     """Answer ``times`` requests to ``route`` (a path's end, query left out; "" matches every path) with
-    ``status`` (:data:`CUT`: close the connection instead), after letting ``skip`` of them through; requests of
-    any method, or of ``method`` only."""
+    ``status`` (:data:`CUT`: close the connection instead; :data:`SLOW`: send it on after ``delay_s``), after
+    letting ``skip`` of them through; requests of any method, or of ``method`` only."""
 
     route: str
     status: int
@@ -42,6 +46,7 @@ class Fault:
     method: str | None = None
     body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    delay_s: float = 0.0
     answered: int = 0
     passed: int = 0
 
@@ -143,6 +148,9 @@ class FaultProxy:
             request.close_connection = True
             request.connection.shutdown(socket.SHUT_RDWR)
             return
+        if fault is not None and fault.status == SLOW:
+            time.sleep(fault.delay_s)
+            fault = None
         if fault is not None:
             self._answer(request, fault.status, json.dumps(fault.body).encode(), fault.headers)
             return

@@ -19,3 +19,12 @@ class EchoServer(RemoteRolloutServer):
         length = min(params.max_tokens, 1 + sum(prompt_ids) % 5)
         tokens = [t for t in (3 + (sum(prompt_ids) + i) % 20 for i in range(length * 2)) if t not in stop][:length]
         return SampleResult(tokens, [-0.25 * (i + 1) for i in range(len(tokens))])
+
+    clears = 0
+
+    async def clear_kv_cache(self) -> None:
+        self.clears += 1  # what a sampler with a prefix cache drops there
+
+    async def cleared(self) -> int:
+        """How many times the server was asked to clear its cache (each new weights version)."""
+        return self.clears

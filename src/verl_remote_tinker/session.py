@@ -136,7 +136,7 @@ class TinkerSession:
                 await self._unload(model_id)
             except Exception as exc:  # the service may be gone; destroy must still finish
                 log.warning("verl-remote-tinker: could not unload model %s: %s", model_id, exc)
-                left.append(f"model {model_id} (unload_model: {one_line(exc)})")
+                left.append(f"model {model_id} ({' '.join(str(exc).split())})")
         self.model_ids = []
         try:
             await asyncio.wait_for(sdk.finish(self.service), UNLOAD_TIMEOUT_S)

@@ -373,3 +373,35 @@ def test_a_probe_reads_an_answer_that_does_not_end_up_to_a_cap() -> None:
         TinkerBackend.preflight(_config(base_url=answer.url))  # it answers the health route: enough
         assert serves_skyrl({"base_url": answer.url}, timeout=10) is False  # not SkyRL's JSON
     assert len(answer.sent) == 2 and all(n < ANSWER_CAP_BYTES + (8 << 20) for n in answer.sent), answer.sent
+
+
+def test_models_the_service_did_not_confirm_unloading_are_what_destroy_left_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """verl-remote-tinker's left_on_service (what verl-remote check's destroy reads): each model whose
+    unload_model failed, with the service's answer; nothing once every unload is confirmed."""
+    import asyncio
+
+    from verl_remote_tinker import sdk
+    from verl_remote_tinker.session import TinkerSession
+
+    unloaded: list[str] = []
+
+    async def unload(service: Any, model_id: str) -> None:
+        if model_id == "policy-2":
+            raise ValueError("Error code: 500 - model busy")  # the SDK's words for a failed future
+        unloaded.append(model_id)
+
+    async def finish(service: Any) -> None:
+        return None
+
+    monkeypatch.setattr(sdk, "unload", unload)
+    monkeypatch.setattr(sdk, "finish", finish)
+    optim = {"lr": 1e-3, "lr_scheduler_type": "constant", "lr_warmup_steps": 0, "total_training_steps": 2}
+    session = TinkerSession({"base_url": "http://127.0.0.1:9", "timeout_s": 5.0}, "base", optim)
+    session.service, session.model_ids = object(), ["policy-1", "policy-2"]
+    left = asyncio.run(session.close())
+    assert unloaded == ["policy-1"]
+    said = "Tinker call unload_model (http://127.0.0.1:9): ValueError: Error code: 500 - model busy"
+    assert left == [f"model policy-2 ({said})"]
+    assert asyncio.run(session.close()) == []  # closed: nothing more to say

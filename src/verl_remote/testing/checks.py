@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import json
 import math
 import os
 import pickle
@@ -128,6 +129,20 @@ def _packed(rows: list[list[Any]], dtype: Any) -> Any:
     offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
     values = np.array([v for r in rows for v in r], dtype=dtype)
     return Packed(values, offsets)
+
+
+def _release(made: tuple[Any, Any] | None) -> None:
+    """End a backend the gradient check made for one loss, and its forwarder (both may be half made)."""
+    import ray
+
+    if made is None:
+        return
+    backend, worker = made
+    if worker is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(worker, no_restart=True)
+    with contextlib.suppress(Exception):
+        asyncio.run(backend.destroy())
 
 
 #: The temperature other than 1 the weight-sync check samples at (a backend that ignores the temperature fails).
@@ -687,6 +702,8 @@ class Conformance:
                         raise
                     share, label = compare(settings, True)  # its failure there is the backend's
                     fixed = True  # it fixes its loss when it is made: the losses after on backends of their own
+                if fixed and settings != probing:  # one loss's backend at a time beside the checked one
+                    _release(made.pop(json.dumps(settings, sort_keys=True), None))
                 self._progress(
                     f"gradient {number}/{len(losses)}: {label}: within {share:.1%} of verl's move "
                     f"({time.monotonic() - began:.1f} s{', on a backend made for it' if fixed else ''})"
@@ -694,11 +711,8 @@ class Conformance:
                 if share >= worst:
                     worst, worst_label = share, label
         finally:
-            for backend, worker in made.values():
-                with contextlib.suppress(Exception):
-                    ray.kill(worker, no_restart=True)
-                with contextlib.suppress(Exception):
-                    asyncio.run(backend.destroy())
+            for made_for in made.values():
+                _release(made_for)
             ray.get(self.state.worker.use_actor.remote({}), timeout=600)
             asyncio.run(self.state.backend.load_checkpoint(3, path))
         within = f"verl's update within {worst:.1%} of its move ({self._allowed()})"
@@ -714,7 +728,6 @@ class Conformance:
     def _made_for(self, settings: dict[str, Any], made: dict[str, tuple[Any, Any]]) -> tuple[Any, Any]:
         """A backend made from the checked config with ``settings`` on its actor, as a run with that loss makes it,
         and its forwarder re-attached in a Ray worker process of its own (made once per settings, in ``made``)."""
-        import json
 
         import ray
 

@@ -339,7 +339,7 @@ class RemotePPOTrainer(PPOTrainerSync):
         self.background_sync = self.overlap and backend_class.background_weight_sync
         self.hold_for_sync = self._holds_for_sync(config, backend_class) if self.overlap else True
         self._sync: Future[float] | None = None
-        self._sync_read: Future[None] | None = None
+        self._sync_read: Future[Any] | None = None
         self._syncer: ThreadPoolExecutor | None = None
         use_run_balancer(config)  # under verl's own launcher; verl-remote train's TaskRunner named it already
         start = _BACKEND_START.get()
@@ -697,24 +697,17 @@ class RemotePPOTrainer(PPOTrainerSync):
         replicas' new version); its error stops the run here. The step logs the sync's own time as verl's
         ``timing_s/update_weights`` (it ran beside this step) and how long the step waited for it as
         ``timing_s/update_weights_wait``."""
-        began = time.monotonic()
         if read_only:
-            read, self._sync_read = self._sync_read, None
-            if read is None:
-                return
-            read.result()
-            self._count_sync_wait(began)
-            return
-        sync, self._sync, self._sync_read = self._sync, None, None
+            sync, self._sync_read = self._sync_read, None
+        else:
+            sync, self._sync, self._sync_read = self._sync, None, None
         if sync is None:
             return
+        began = time.monotonic()
         took = sync.result()
-        self._count_sync_wait(began, took)
-
-    def _count_sync_wait(self, began: float, took: float | None = None) -> None:
         timing = getattr(self, "timing_raw", None)  # the step's; none before the first
         if timing is not None:
-            if took is not None:
+            if not read_only:  # the read's result is none: the sync's own time is the publish's
                 timing["update_weights"] = timing.get("update_weights", 0.0) + took
             timing["update_weights_wait"] = timing.get("update_weights_wait", 0.0) + time.monotonic() - began
 

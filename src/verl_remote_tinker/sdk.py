@@ -32,7 +32,7 @@ __all__ = [
     "finish",
     "requested",
     "resolved",
-    "saved_for_sampling",
+    "saving_for_sampling",
     "service_client",
     "submitted",
     "unload",
@@ -97,14 +97,30 @@ async def created(obj: Any, name: str, *args: Any, **kwargs: Any) -> Any:
     return await resolved(await asyncio.to_thread(getattr(obj, name), *args, **kwargs))
 
 
-async def saved_for_sampling(training: Any) -> Any:
-    """``training.save_weights_and_get_sampling_client()``: a sampler of the current weights, awaited without
-    stalling the caller's event loop. 0.25's ``_async`` variant waits for the save with a blocking ``.result()``
-    (tinker 0.25.0 ``lib/public_interfaces/training_client.py:1008``), which held every other request of the
-    session for the save's round trip; its plain call, in a thread, does not."""
-    if _current(training, "save_weights_and_get_sampling_client") is not None:
-        return await asyncio.to_thread(training.save_weights_and_get_sampling_client)
-    return await created(training, "save_weights_and_get_sampling_client")
+async def saving_for_sampling(training: Any) -> asyncio.Future[Any]:
+    """Start ``training.save_weights_and_get_sampling_client()``; return, once the save has its place in the
+    training client's request order, a future of the sampler.
+
+    Every SDK in the range numbers a training client's requests as they are called (``_get_request_id`` in the
+    plain call, 0.25.0 ``training_client.py:779``, 0.38.0 :1082) and the service runs them in that order, so a
+    request made after this returns runs after the save: an optimizer step cannot change the weights before the
+    save has read them, while a forward pass sent meanwhile need not wait for the save's answer. 0.38's plain
+    call returns a future at once; 0.25's blocks until the sampler exists (its ``_async`` variant too, with a
+    blocking ``.result()``, 0.25.0 :1008, which would hold the caller's event loop), so it runs in a thread, and
+    its place is taken when the thread's call numbers the request (the client's request counter moves). An SDK
+    without that counter is waited on until the save is done.
+    """
+    loop = asyncio.get_running_loop()
+    if _current(training, "save_weights_and_get_sampling_client") is None:  # 0.38: numbered in the call
+        return asyncio.ensure_future(resolved(training.save_weights_and_get_sampling_client()))
+    counter = getattr(training, "_request_id_counter", None)
+    future = loop.run_in_executor(None, training.save_weights_and_get_sampling_client)
+    if not isinstance(counter, int):
+        await asyncio.wait([future])
+        return future
+    while getattr(training, "_request_id_counter", counter) == counter and not future.done():
+        await asyncio.sleep(0.001)
+    return future
 
 
 async def capabilities(service: Any, base_url: str, api_key: str) -> Any:

@@ -7,7 +7,20 @@ base model's sampler, and the forwarder and the rollout servers call it: :class:
 :class:`~verl_remote_tinker.backend.TinkerBackend` as a :class:`~verl_remote.RayService`.
 
 Futures are used as the API means them: ``submit_forward_backward`` returns once the request is queued,
-``optim_step`` queues the step behind it and waits for both, the sampler's weights are saved right after.
+``optim_step`` queues the step behind it, the sampler's save behind the step, and waits for the passes and the
+step. The SDK numbers a training client's requests as they are made and the service runs them in that order, so a
+call waits for an earlier one's answer only where it needs the answer: after the sampler's save has its place
+in the order, the next step's requests go (they run after it), while samples wait for the new sampler itself.
+
+In an overlapped run the next step's samples are drawn while a step trains, and the next step will ask for
+their log-probs at the weights this step's update makes (its old log-probs). The session scores them ahead: a
+response sampled from weights the queued optimizer steps have already moved past is scored as it arrives (those
+arriving together in one forward pass, :data:`AHEAD_COALESCE_S`), one sampled earlier as the next optimizer step
+is queued (one pass behind the step over all of them), and ``forward`` answers from those passes
+(``actor/old_log_probs_ahead``: the share of a step's rows it found there). Only responses sampled at a
+temperature above 0 are (verl's validation samples greedily); rows never sampled as a whole (a multi-turn
+row) are scored when asked.
+
 The actor counts the seconds the training calls wait on the service (``actor/service_wait_s``, per optimizer
 step: the forward passes, the passes and the step itself).
 """
@@ -46,6 +59,10 @@ UNLOAD_TIMEOUT_S = 30.0
 
 #: Seconds a sample request waits for others of the same prompt, to go to the service as one request.
 COALESCE_S = 0.01
+#: Seconds an overlapped run's sampled rows wait for others before they are scored ahead in one forward pass: a
+#: step's groups, asked for together, come back within about 0.1 s of each other, and one pass a step keeps one
+#: batch shape (SkyRL's server compiles each new one).
+AHEAD_COALESCE_S = 0.25
 
 
 class TinkerSession:
@@ -61,16 +78,26 @@ class TinkerSession:
         self.base_sampler: Any = None  # the base model, for the reference log-probs
         self.model_ids: list[str] = []  # every model this run created, unloaded on close
         self.weights_version = 0  # optimizer steps applied so far in this session
-        self.sampler_version = -1
+        self.sampler_version = -1  # the weights' version of the last save started
+        self.sampled_version = -1  # the weights' version of self.sampler
         self.saving: asyncio.Future[None] | None = None  # the sampler's save, when update_sampler did not wait
+        self.placed: asyncio.Future[None] | None = None  # done once the save has its place in the request order
         self.pending: list[Any] = []  # forward_backward futures queued since the last optimizer step
-        self.cached: dict[tuple[int, ...], np.ndarray] = {}  # log-probs at weights_version, by row
-        self.cached_version = -1
+        self.scores: dict[int, dict[tuple[int, ...], asyncio.Future[np.ndarray]]] = {}  # log-probs by version, row
+        self.queued_version = 0  # the weights' version once every queued optimizer step has run
+        self.sampled: list[tuple[int, ...]] = []  # overlapped: rows to score once the next step is queued
+        self.arrived: list[tuple[int, ...]] = []  # overlapped: rows to score now, gathered for AHEAD_COALESCE_S
+        self.scorer: asyncio.Future[None] | None = None
+        self.asked: dict[int, int] = {}  # rows compute_log_prob asked for, by weights' version
+        self.hits: dict[int, int] = {}  # of those, the rows scored ahead
+        self.ahead = {"rows": 0, "used": 0}  # rows scored ahead, and of those the rows a step asked for
+        self.ahead_rows: set[tuple[int, ...]] = set()  # the last rows scored ahead that no step asked for yet
         self.wait_s = 0.0
         self.clock = WaitClock()  # by phase of verl's step, for RemoteBackend.service_waits
         self.waiting: dict[Any, list[asyncio.Future[Any]]] = {}  # sample requests to send together
         self.flusher: asyncio.Future[None] | None = None
         self.sampling: set[asyncio.Future[None]] = set()
+        self.answering: set[asyncio.Future[None]] = set()  # forward passes' answers under way
         self.schedule = lr_schedule(optim)
         self.schedule_steps = 0
 
@@ -151,11 +178,75 @@ class TinkerSession:
         """The policy's log-prob of each next token (``len(row) - 1`` values per row), at the current weights.
 
         ``update``: asked by the actor update (its wait counts in ``service_wait_s``), not by ``compute_log_prob``.
+        Rows scored at these weights before (ahead, or asked before) are answered from there.
         """
+        keys = [tuple(int(t) for t in row) for row in rows]
+        scores = self._scores(self.weights_version)
+        asked = set(keys)
+        if not update:
+            version = self.weights_version
+            self.asked[version] = self.asked.get(version, 0) + len(keys)
+            self.hits[version] = self.hits.get(version, 0) + sum(1 for key in keys if key in self.ahead_rows)
+        self.sampled = [row for row in self.sampled if row not in asked]
+        self.arrived = [row for row in self.arrived if row not in asked]
+        self.ahead["used"] += len(asked & self.ahead_rows)
+        self.ahead_rows -= asked
+        missing = [key for key in keys if key not in scores]  # a group's equal responses too: one shape a step
+        if missing:
+            await self._score(missing, scores)
+        phase = "update_actor" if update else "old_log_prob"
+        start = time.perf_counter()
+        self.clock.begin(phase)
+        try:
+            return list(await asyncio.gather(*(scores[key] for key in keys)))
+        finally:
+            self.clock.end(phase)
+            if update:
+                self.wait_s += time.perf_counter() - start
+
+    async def _score_ahead(self, rows: list[tuple[int, ...]]) -> None:
+        """Score ``rows`` at the weights the queued requests make (an overlapped run's next step's rows)."""
+        self.ahead["rows"] += len(set(rows))
+        self.ahead_rows.update(rows)
+        await self._score(rows, self._scores(self.queued_version))
+
+    async def _score_arrived(self) -> None:
+        expected = max(self.asked.values(), default=0)  # a step's rows, as the last steps asked for them
+        waited = 0.0
+        while waited < AHEAD_COALESCE_S and not (expected and len(self.arrived) >= expected):
+            await asyncio.sleep(0.01)
+            waited += 0.01
+        rows, self.arrived, self.scorer = self.arrived, [], None
+        if rows:
+            with contextlib.suppress(Exception):  # the pass's failure goes to whoever asks for the rows
+                await self._score_ahead(rows)
+
+    def _sampled(self, rows: list[tuple[int, ...]], drawn: int) -> None:
+        """Rows an overlapped run sampled from the weights of version ``drawn``: the step that trains them asks for
+        their log-probs at the next version, so they are scored at once where that version is queued, else when
+        the next optimizer step is."""
+        if self.queued_version <= drawn:
+            self.sampled += rows
+            return
+        self.arrived += rows
+        if self.scorer is None:
+            self.scorer = asyncio.ensure_future(self._score_arrived())
+
+    def _scores(self, version: int) -> dict[tuple[int, ...], asyncio.Future[np.ndarray]]:
+        """The log-probs at ``version`` (by row, each a future: its forward pass may be under way); older
+        versions' are dropped."""
+        for old in [v for v in self.scores if v < self.weights_version]:
+            del self.scores[old]
+        for old in [v for v in self.asked if v < self.weights_version - 2]:
+            del self.asked[old]
+            self.hits.pop(old, None)
+        return self.scores.setdefault(version, {})
+
+    async def _score(self, rows: list[tuple[int, ...]], scores: dict[tuple[int, ...], Any]) -> None:
+        """Queue one forward pass over ``rows`` (its place in the request order taken before this returns) and put
+        each row's future in ``scores``; a failed pass fails each future and leaves the rows unscored."""
         from tinker import types
 
-        if self.cached_version == self.weights_version and all(tuple(row) in self.cached for row in rows):
-            return [self.cached[tuple(row)] for row in rows]
         data = [
             types.Datum(
                 model_input=types.ModelInput.from_ints([int(t) for t in row[:-1]]),
@@ -166,17 +257,39 @@ class TinkerSession:
             )
             for row in rows
         ]
-        result = await self._call(
-            "forward",
-            sdk.requested(self.training, "forward", data, "cross_entropy"),
-            timed=update,
-            phase="update_actor" if update else "old_log_prob",
-        )
-        out = [np.asarray(o["logprobs"].data, dtype=np.float32) for o in result.loss_fn_outputs]
-        if self.cached_version != self.weights_version:
-            self.cached, self.cached_version = {}, self.weights_version
-        self.cached.update({tuple(int(t) for t in row): lp for row, lp in zip(rows, out, strict=True)})
-        return out
+        loop = asyncio.get_running_loop()
+        futures = {row: loop.create_future() for row in rows}  # a row sent twice (a group's equal responses) once
+        for future in futures.values():
+            future.add_done_callback(_retrieved)  # a pass scored ahead may fail with nobody asking
+        scores.update(futures)
+
+        def failed(exc: BaseException) -> None:
+            for row, future in futures.items():
+                if scores.get(row) is future:
+                    del scores[row]
+                if not future.done():
+                    future.set_exception(exc)
+
+        try:
+            await self._placed()
+            submitted = await self._call("forward", sdk.submitted(self.training, "forward", data, "cross_entropy"))
+        except Exception as exc:
+            failed(exc)
+            raise
+
+        async def answer() -> None:
+            try:
+                result = await self._call("forward", sdk.resolved(submitted))
+                for row, out in zip(rows, result.loss_fn_outputs, strict=True):
+                    if not futures[row].done():
+                        futures[row].set_result(np.asarray(out["logprobs"].data, dtype=np.float32))
+            except Exception as exc:
+                failed(exc)
+            finally:
+                self.answering.discard(task)
+
+        task = asyncio.ensure_future(answer())
+        self.answering.add(task)
 
     async def reference(self, rows: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """The base model's log-prob of each next token, from a sampler of the base model (no LoRA)."""
@@ -212,7 +325,7 @@ class TinkerSession:
             )
             for d in datums
         ]
-        await self._saved()  # the sampler's save reads the weights this pass begins to change
+        await self._placed()  # after the sampler's save in the request order, which reads the weights as they are
         self.pending.append(
             await self._call(
                 "forward_backward",
@@ -222,20 +335,36 @@ class TinkerSession:
         )
 
     async def optim_step(self) -> dict[str, float]:
-        """Queue the optimizer step behind the passes, wait for all of them; the step's metrics."""
+        """Queue the optimizer step behind the passes and the sampler's save behind the step, wait for the passes
+        and the step; the step's metrics."""
         from tinker import types
 
         lr = float(self.schedule.get_last_lr()[0])
         params = types.AdamParams(learning_rate=lr, **adam_params(self.optim))
         update = "update_actor"
-        submitted = sdk.submitted(self.training, "optim_step", params)
-        step = await self._call("optim_step", submitted, timed=True, phase=update)
+        await self._placed()
+        step = await self._call("optim_step", sdk.submitted(self.training, "optim_step", params), phase=update)
+        self.queued_version += 1
+        await self._saved()  # the last save (a step ago): one at a time
+        self._save(self.queued_version)  # queued behind the step: the sampler of the weights it makes
+        self.ahead_rows = set()  # rows scored ahead for the weights before that no step asked for: not used
+        ahead, self.sampled = self.sampled, []
+        if ahead:  # overlapped: the next step's rows, at the weights this step makes, queued behind it
+            await self._score_ahead(ahead)
         pending, self.pending = self.pending, []
-        for future in pending:
-            await self._call("forward_backward", sdk.resolved(future), timed=True, phase=update)
-        result = await self._call("optim_step", sdk.resolved(step), timed=True, phase=update)
-        self.weights_version += 1
+        start = time.perf_counter()
+        try:
+            *_, result = await asyncio.gather(
+                *(self._call("forward_backward", sdk.resolved(future), phase=update) for future in pending),
+                self._call("optim_step", sdk.resolved(step), phase=update),
+            )
+        finally:
+            self.wait_s += time.perf_counter() - start
         metrics = {"lr": lr}
+        asked = self.asked.get(self.weights_version)
+        if self.settings.get("overlap") and asked:  # logged as actor/old_log_probs_ahead
+            metrics["old_log_probs_ahead"] = self.hits.get(self.weights_version, 0) / asked
+        self.weights_version += 1
         for key, value in (result.metrics or {}).items():
             if key.endswith("grad_norm"):
                 metrics["grad_norm"] = float(value)
@@ -252,35 +381,56 @@ class TinkerSession:
     # -- sampling ----------------------------------------------------------------------------------
 
     async def update_sampler(self, wait: bool | None = None) -> None:
-        """Save the current weights for sampling; every sample that starts later uses them.
+        """Save the current weights for sampling, unless the save is under way (``optim_step`` queues it behind
+        each optimizer step); every sample that starts later uses them.
 
-        In an overlapped run (``settings["overlap"]``, unless ``wait`` says) it returns once the save is under
-        way: the trainer goes on with the next step's log-probs, which read the training weights the save does
-        not change, while samples that start meanwhile wait for the new sampler, and the next change to the
-        training weights (a forward-backward pass) waits for the save to have read them (:meth:`_saved`).
+        In an overlapped run (``settings["overlap"]``, unless ``wait`` says) it returns once the save has its
+        place in the request order: the trainer goes on with the next step, whose requests run after the save,
+        while samples that start meanwhile wait for the new sampler. Its wait counts as the weight sync's.
         """
-        if self.sampler_version == self.weights_version:
-            return
-        await self._saved()  # one save at a time
-        self.sampler_version = self.weights_version
-        self.saving = asyncio.ensure_future(self._save_for_sampler())
+        if self.sampler_version != self.weights_version:
+            await self._saved()  # one save at a time
+            self._save(self.weights_version)
         if wait is None:
             wait = not self.settings.get("overlap")
-        if wait:
-            await self._saved()
+        self.clock.begin("update_weights")
+        try:
+            await (self._saved() if wait else self._placed())
+        finally:
+            self.clock.end("update_weights")
 
-    async def _save_for_sampler(self) -> None:
-        self.sampler = await self._call(
-            "save_weights_for_sampler",
-            sdk.saved_for_sampling(self.training),
-            phase="update_weights",
-        )
+    def _save(self, version: int) -> None:
+        """Start saving the weights of ``version`` (those the queued requests make) for the sampler."""
+        self.sampler_version = version
+        placed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.placed = placed
+        self.saving = asyncio.ensure_future(self._save_for_sampler(placed, version))
+
+    async def _save_for_sampler(self, placed: asyncio.Future[None], version: int) -> None:
+        async def save() -> Any:
+            try:
+                sampler = await sdk.saving_for_sampling(self.training)
+            finally:
+                if not placed.done():
+                    placed.set_result(None)
+            return await sampler
+
+        self.sampler = await self._call("save_weights_for_sampler", save())
+        self.sampled_version = version
         self.pauses.watch(self.sampler, "sampling")
 
     async def _saved(self) -> None:
         """Wait for the sampler's save under way, if any; its failure is raised to every caller."""
         if self.saving is not None:
             await asyncio.shield(self.saving)
+
+    async def _placed(self) -> None:
+        """Wait until the sampler's save under way has its place in the training client's request order (a
+        request made after that runs after the save), or has failed (raised here)."""
+        if self.placed is not None and self.saving is not None:
+            await asyncio.wait([self.placed, self.saving], return_when=asyncio.FIRST_COMPLETED)
+            if self.saving.done() and not self.saving.cancelled() and self.saving.exception() is not None:
+                await self._saved()
 
     async def sample(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
         """One response: its tokens, their log-probs and Tinker's stop reason ("stop" or "length").
@@ -317,6 +467,7 @@ class TinkerSession:
 
         try:
             await self._saved()
+            sampler, drawn = self.sampler, self.sampled_version
             # Tinker's SamplingParams: verl's temperature (0: greedy), top-p and top-k, and the stop ids (the
             # model's EOS and any the agent loop adds); a service may run on past one, and the replica cuts there.
             sampling = types.SamplingParams(
@@ -328,9 +479,11 @@ class TinkerSession:
             )
             response = await self._call(
                 "sample",
-                sdk.requested(self.sampler, "sample", types.ModelInput.from_ints(prompt), len(waiters), sampling),
+                sdk.requested(sampler, "sample", types.ModelInput.from_ints(prompt), len(waiters), sampling),
                 phase="gen",
             )
+            if self.settings.get("overlap") and params.temperature > 0:
+                self._sampled([tuple(prompt) + tuple(int(t) for t in s.tokens) for s in response.sequences], drawn)
             for waiter, sequence in zip(waiters, response.sequences, strict=True):
                 waiter.set_result(
                     {
@@ -379,6 +532,7 @@ class TinkerSession:
             self.schedule.step()
         self.schedule_steps = int(state.get("schedule_steps", 0))
         self.weights_version += 1  # cached log-probs and the sampler are of the old weights
+        self.queued_version = self.weights_version
         await self.update_sampler(wait=True)
 
     async def waits(self) -> dict[str, float]:
@@ -391,6 +545,7 @@ class TinkerSession:
             "models": list(self.model_ids),
             "weights_version": self.weights_version,
             "sampler_version": self.sampler_version,
+            "scored_ahead": dict(self.ahead),
         }
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -456,6 +611,11 @@ def version_refused(base_url: str, status: int, message: str) -> str:
         f"SDK it asks for, within verl-remote-tinker's range: pip install 'tinker{SDK_RANGE}' (the newest there), "
         "or, if the service needs a newer SDK than that range, a newer verl-remote-tinker"
     )
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class WaitClock:

@@ -205,6 +205,64 @@ def test_the_gradient_the_service_applies_is_verls(tinker_server: LocalServer) -
 
 
 @pytest.mark.faults
+def test_an_overlapped_session_scores_the_next_steps_rows_behind_the_step_at_the_weights_it_makes(
+    tinker_server: LocalServer,
+) -> None:
+    """In an overlapped run the rows sampled while a step trains are the next step's, whose old log-probs are
+    those of the weights the step makes: the session queues one forward pass over them right behind the step's
+    optimizer step (before the step's answer, and behind it in the service's own order), the sampler's save
+    behind the step too, and the next step's ``forward`` is answered from that pass with what a pass asked then
+    answers. A greedy (validation) sample is not scored ahead."""
+    settings = {
+        "base_url": tinker_server.url, "api_key_env": "TINKER_API_KEY", "timeout_s": 120, "max_retries": 1,
+        "lora_rank": 4, "lora_seed": 7, "train_mlp": True, "train_attn": True, "train_unembed": True,
+        "overlap": True,
+    }  # fmt: skip
+    optim = {"lr": 5e-2, "betas": [0.9, 0.999], "weight_decay": 0.0, "clip_grad": 0.0, "total_training_steps": 2}
+
+    def params(temperature: float) -> SamplingParams:
+        return SamplingParams(max_tokens=4, temperature=temperature, top_p=1.0, top_k=-1, stop_token_ids=())
+
+    async def run() -> tuple[Any, ...]:
+        session = TinkerSession(settings, tinker_server.model, optim)
+        await session.start()
+        try:
+            trained = [[3, 4, 5] + s["tokens"] for s in await session.sample_group([3, 4, 5], params(1.0), 2)]
+            nxt = [[6, 7, 8, 9] + s["tokens"] for s in await session.sample_group([6, 7, 8, 9], params(1.0), 4)]
+            await session.sample_group([10, 11], params(0.0), 1)
+            before = await session.forward(trained)  # this step's rows, at the weights it trains
+            datums = [
+                {"input": row[:-1], "target": row[1:], "weights": [1.0] * (len(row) - 1),
+                 "logprobs": lp.tolist(), "advantages": [1.0] * (len(row) - 1)}
+                for row, lp in zip(trained, before, strict=True)
+            ]  # fmt: skip
+            await session.submit_forward_backward(datums)
+            metrics = await session.optim_step()
+            ahead = await session.forward(nxt)
+            info = await session.info()
+            session.scores.clear()  # asked again, a pass of its own
+            again, after = await session.forward(nxt), await session.forward(trained)
+            return nxt, metrics, ahead, info, again, before, after, str(session.training.model_id)
+        finally:
+            await session.close()
+
+    nxt, metrics, ahead, info, again, before, after, model = asyncio.run(run())
+    assert metrics["old_log_probs_ahead"] == 0.0  # this step's own rows were sampled before it: asked, not ahead
+    # the next step's rows, and not the greedy one, were scored ahead, and the next step's forward found them all
+    assert info["scored_ahead"] == {"rows": len({tuple(row) for row in nxt}), "used": len({tuple(row) for row in nxt})}
+    for a, b in zip(ahead, again, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert any(np.abs(a - b).max() > 1e-3 for a, b in zip(before, after, strict=True))  # the step moved the weights
+    with sqlite3.connect(tinker_server.workdir / "tinker.db") as db:
+        order = [t for (t,) in db.execute(
+            "select request_type from futures where model_id = ? order by request_id", (model,)
+        )]  # fmt: skip
+    step = order.index("OPTIM_STEP")
+    # behind the step, in the service's order: the sampler's save and the next step's rows, one pass
+    assert order[step + 1 : step + 3] == ["SAVE_WEIGHTS_FOR_SAMPLER", "FORWARD"], order
+    assert order.count("FORWARD") == 4, order  # this step's rows, the next step's ahead, both asked again
+
+
 def test_a_rate_limit_and_a_paused_queue_are_waited_out_with_one_line_each_until_the_timeout(
     tinker_server: LocalServer,
 ) -> None:
@@ -426,6 +484,12 @@ def test_two_steps_then_resume_at_step_three_with_the_same_weights_until_the_ser
     assert len(diffs) >= 3 and diffs[0] < 1e-4, diffs
     staleness = metric(log, "training/off_policy/trajectory_staleness/max")
     assert staleness[0] == 0 and max(staleness) <= 1, staleness
+    # The session scored the next step's rows behind each step (the share of a step's old log-probs it found
+    # scored ahead): the first step of each session sampled before any step of its own, and later ones found
+    # theirs there.
+    ahead = metric(log, "actor/old_log_probs_ahead")
+    assert len(ahead) >= 3 and ahead[0] == 0 and all(0 <= x <= 1 for x in ahead), ahead
+    assert max(ahead) == 1, ahead
     assert metric(log, "verl_remote/restarts")[:3] == [0, 0, 1]
     assert "cannot sample while it trains" not in resumed
 

@@ -78,14 +78,8 @@ def test_async_override_of_a_sync_method_is_rejected_at_definition(method: str) 
 
 @pytest.mark.parametrize("method", ["from_config", "preflight", "requires_single_forwarder", "cannot_overlap"])
 def test_what_is_asked_before_the_backend_exists_must_be_a_classmethod(method: str) -> None:
-    if method == "requires_single_forwarder":
-        # The contract before 0.1.0 had it as a plain method: adapted with a warning until 0.2
-        # (tests/test_contract.py), so only the coroutine is refused.
-        with pytest.warns(DeprecationWarning, match=f"{method} is a plain method"):
-            _complete_backend(**{method: lambda self, *args, **kwargs: False})
-    else:
-        with pytest.raises(TypeError, match=f"{method} must be a classmethod"):
-            _complete_backend(**{method: lambda self, *args, **kwargs: self})
+    with pytest.raises(TypeError, match=f"{method} must be a classmethod"):
+        _complete_backend(**{method: lambda self, *args, **kwargs: self})
 
     async def coroutine(cls: Any, *args: Any, **kwargs: Any) -> Any:
         return None

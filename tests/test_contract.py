@@ -1,93 +1,65 @@
-"""The contract with backend authors holds across releases: a name that moved or a method whose contract changed keeps
-working for a minor version, warning (DeprecationWarning) with its replacement; every module path the docs and the
-changelog name imports."""
+"""The contract with backend authors: the forms before 0.1.0 are gone, each named with its replacement in the
+CHANGELOG's migration note; a method that does not fit is refused when its class is defined; every module path
+the docs and the changelog name imports."""
 
 from __future__ import annotations
 
 import importlib
 import re
-import sys
-import warnings
 from typing import Any
 
 import pytest
 
 from conftest import ROOT
 
-#: The module paths of the contract before 0.1.0 (the author guide of 2026-11-30), and a name each held.
-OLD_MODULES = {
-    "verl_remote.worker": "RemoteForwarderWorker",
-    "verl_remote.rollout": "RemoteRolloutServer",
-    "verl_remote.payload": "pack_fields",
-    "verl_remote.compute": "actor_loss",
-    "verl_remote.service": "RayService",
-}
+#: The module paths of the contract before 0.1.0 (the author guide of 2026-11-30), gone in 0.1.0: nothing was ever
+#: published with them, and the CHANGELOG's migration note says where each name is now.
+OLD_MODULES = ("verl_remote.worker", "verl_remote.rollout", "verl_remote.payload", "verl_remote.compute",
+               "verl_remote.service")  # fmt: skip
 
 
-@pytest.mark.parametrize(("module", "name"), sorted(OLD_MODULES.items()))
-def test_an_old_module_path_imports_warning_with_the_replacement(module: str, name: str) -> None:
+#: The registry's names the face exported before 0.1.0 (now verl_remote.discovery.registry's only).
+OFF_THE_FACE = ("load_backend_class", "get_backend_spec", "available_backends", "load_worker_class",
+                "load_rollout_class", "InstalledBackend", "ENTRY_POINT_GROUP")  # fmt: skip
+
+
+def _changelog_migration() -> str:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    start = changelog.index("### Migrating from the contract before 0.1.0")
+    return changelog[start:].split("\n### ", 1)[0]
+
+
+def test_the_contract_before_0_1_is_gone_and_the_migration_note_names_each_form_and_its_replacement() -> None:
+    """The old module paths, the registry names the face exported and the old method forms are gone (no shim
+    guards a version no user installed); the CHANGELOG's migration note names each, with what to write instead."""
     import verl_remote
 
-    sys.modules.pop(module, None)
-    with pytest.warns(
-        DeprecationWarning, match=rf"{re.escape(module)} is deprecated: import its names from verl_remote"
-    ):
-        old = importlib.import_module(module)
-    assert getattr(old, name) is getattr(verl_remote, name)
+    note = _changelog_migration()
+    for module in OLD_MODULES:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
+        assert module in note, module
+    for name in OFF_THE_FACE:
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+            getattr(verl_remote, name)
+        assert name in note, name
+    assert "verl_remote.discovery.registry" in note
+    assert "def requires_single_forwarder(self)" in note and "async def sample(self, prompt_ids, params)" in note
 
 
-def test_the_registry_the_face_exported_is_there_warning() -> None:
-    import verl_remote
-    from verl_remote.discovery import registry
+def test_the_old_method_forms_are_refused_when_the_class_is_defined_naming_the_new_one() -> None:
+    from verl_remote import RemoteBackend, RemoteRolloutServer
 
-    for name in ("load_backend_class", "get_backend_spec", "available_backends", "ENTRY_POINT_GROUP"):
-        with pytest.warns(DeprecationWarning, match=rf"verl_remote.{name} is deprecated: import it from "):
-            assert getattr(verl_remote, name) is getattr(registry, name)
-    assert "load_backend_class" not in verl_remote.__all__  # not a stable name
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
-        verl_remote.no_such_name  # noqa: B018
-
-
-def test_requires_single_forwarder_as_a_plain_method_still_works_warning() -> None:
-    from verl_remote import RemoteBackend
-
-    with pytest.warns(DeprecationWarning, match=r"requires_single_forwarder is a plain method: make it a @classmethod"):
+    with pytest.raises(TypeError, match=r"Old.requires_single_forwarder must be a classmethod"):
 
         class Old(RemoteBackend):
-            @classmethod
-            def from_config(cls, main_config: Any, *, handle: dict[str, Any] | None = None) -> Any:
-                return cls()
-
-            def reconnect_handle(self) -> dict[str, Any]:
-                return {}
-
-            async def update_weights(self) -> None: ...
-            async def save_checkpoint(self, step: int, path: str) -> None: ...
-            async def load_checkpoint(self, step: int, path: str) -> None: ...
-            async def destroy(self) -> None: ...
-
             def requires_single_forwarder(self) -> bool:  # the contract before 0.1.0
                 return True
 
-    assert Old.requires_single_forwarder() is True  # asked of the class, before any backend exists
+    with pytest.raises(TypeError, match=r"OldServer.sample: it requires 'sampling_params', which verl-remote"):
 
-
-def test_a_rollout_server_with_the_old_sample_signature_is_adapted_warning() -> None:
-    import asyncio
-
-    from verl_remote import RemoteRolloutServer, SampleResult, SamplingParams
-
-    with pytest.warns(
-        DeprecationWarning, match=r"sample\(self, prompt_ids, max_tokens, sampling_params\) is deprecated"
-    ):
-
-        class Old(RemoteRolloutServer):
-            async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> Any:
-                return SampleResult([max_tokens, int(sampling_params["top_k"])], None, "completed")
-
-    server = Old.__new__(Old)  # no backend behind it: sample is all this test calls
-    params = SamplingParams(max_tokens=5, stop_token_ids=(2,), top_k=7)
-    assert asyncio.run(server.sample([1], params)).token_ids == [5, 7]
+        class OldServer(RemoteRolloutServer):
+            async def sample(self, prompt_ids: list[int], max_tokens: int, sampling_params: dict[str, Any]) -> Any: ...
 
 
 def test_a_worker_or_rollout_server_method_that_does_not_fit_fails_when_its_class_is_defined() -> None:
@@ -169,16 +141,21 @@ def _imports(path: str) -> bool:
 def test_every_module_path_the_docs_and_the_changelog_name_imports() -> None:
     named = _named_paths()
     assert len(named) >= 20 and "verl_remote.testing.check_backend" in named
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # an old path a doc names on purpose still imports
-        broken = [f"{path} ({', '.join(sorted(where))})" for path, where in sorted(named.items()) if not _imports(path)]
+    # The migration note names the paths before 0.1.0 on purpose; nothing else may.
+    gone = {
+        path: where
+        for path, where in named.items()
+        if path.startswith(tuple(f"{module}." for module in OLD_MODULES))
+        or path in OLD_MODULES
+        or path.removeprefix("verl_remote.") in OFF_THE_FACE
+    }
+    assert all(spot.startswith("CHANGELOG.md:") for where in gone.values() for spot in where), gone
+    broken = [
+        f"{path} ({', '.join(sorted(where))})"
+        for path, where in sorted(named.items())
+        if path not in gone and not _imports(path)
+    ]
     assert broken == []
-
-
-def test_the_contract_docs_name_the_deprecated_paths_and_their_replacements() -> None:
-    guide = (ROOT / "docs" / "backend-author-guide.md").read_text()
-    for module in OLD_MODULES:
-        assert f"`{module}`" in guide, module
 
 
 def test_the_author_guides_table_of_the_face_is_all_of_it_with_each_names_mark() -> None:

@@ -157,10 +157,6 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        from verl_remote._deprecated import MOVED_FROM_THE_FACE, moved_from_the_face
-
-        if name in MOVED_FROM_THE_FACE:  # exported before 0.1.0: warns, and goes in 0.2
-            return moved_from_the_face(name)
         raise AttributeError(f"module 'verl_remote' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

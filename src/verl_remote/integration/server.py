@@ -65,9 +65,6 @@ class RemoteRolloutServer:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        from verl_remote._deprecated import adapt_old_sample
-
-        adapt_old_sample(cls)  # sample(prompt_ids, max_tokens, sampling_params), as before 0.1.0: warns, adapted
         # one that does not fit fails here, not in a step
         check_overrides(cls, RemoteRolloutServer, ("sample", "sample_group"))
 

@@ -46,9 +46,6 @@ class RemoteBackend(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        from verl_remote._deprecated import adapt_requires_single_forwarder
-
-        adapt_requires_single_forwarder(cls)  # a plain method, as before 0.1.0: warns, made a classmethod
         for name in _ASYNC_METHODS:
             method = cls.__dict__.get(name)
             if method is not None and not inspect.iscoroutinefunction(method):

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -194,15 +194,8 @@ class TinkerSession:
         missing = [key for key in keys if key not in scores]  # a group's equal responses too: one shape a step
         if missing:
             await self._score(missing, scores)
-        phase = "update_actor" if update else "old_log_prob"
-        start = time.perf_counter()
-        self.clock.begin(phase)
-        try:
+        with self._waiting("update_actor" if update else "old_log_prob", timed=update):
             return list(await asyncio.gather(*(scores[key] for key in keys)))
-        finally:
-            self.clock.end(phase)
-            if update:
-                self.wait_s += time.perf_counter() - start
 
     async def _score_ahead(self, rows: list[tuple[int, ...]]) -> None:
         """Score ``rows`` at the weights the queued requests make (an overlapped run's next step's rows)."""
@@ -352,14 +345,11 @@ class TinkerSession:
         if ahead:  # overlapped: the next step's rows, at the weights this step makes, queued behind it
             await self._score_ahead(ahead)
         pending, self.pending = self.pending, []
-        start = time.perf_counter()
-        try:
+        with self._waiting(None, timed=True):  # the answers waited for together count once
             *_, result = await asyncio.gather(
                 *(self._call("forward_backward", sdk.resolved(future), phase=update) for future in pending),
                 self._call("optim_step", sdk.resolved(step), phase=update),
             )
-        finally:
-            self.wait_s += time.perf_counter() - start
         metrics = {"lr": lr}
         asked = self.asked.get(self.weights_version)
         if self.settings.get("overlap") and asked:  # logged as actor/old_log_probs_ahead
@@ -393,11 +383,8 @@ class TinkerSession:
             self._save(self.weights_version)
         if wait is None:
             wait = not self.settings.get("overlap")
-        self.clock.begin("update_weights")
-        try:
+        with self._waiting("update_weights", timed=False):
             await (self._saved() if wait else self._placed())
-        finally:
-            self.clock.end("update_weights")
 
     def _save(self, version: int) -> None:
         """Start saving the weights of ``version`` (those the queued requests make) for the sampler."""
@@ -550,6 +537,21 @@ class TinkerSession:
 
     # -- plumbing ----------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _waiting(self, phase: str | None, *, timed: bool) -> Iterator[None]:
+        """A wait on the service: counted in ``phase``'s seconds (:class:`WaitClock`), and with ``timed`` (a
+        training call's) in ``service_wait_s``."""
+        start = time.perf_counter()
+        if phase is not None:
+            self.clock.begin(phase)
+        try:
+            yield
+        finally:
+            if phase is not None:
+                self.clock.end(phase)
+            if timed:
+                self.wait_s += time.perf_counter() - start
+
     async def _unload(self, model_id: str) -> None:
         await self._call("unload_model", sdk.unload(self.service, model_id), timeout=UNLOAD_TIMEOUT_S)
         self.model_ids.remove(model_id)
@@ -564,12 +566,10 @@ class TinkerSession:
         """
         import tinker
 
-        start = time.perf_counter()
         timeout = float(self.settings["timeout_s"]) if timeout is None else timeout
-        if phase is not None:
-            self.clock.begin(phase)
         try:
-            return await asyncio.wait_for(awaitable, timeout)
+            with self._waiting(phase, timed=timed):
+                return await asyncio.wait_for(awaitable, timeout)
         except asyncio.TimeoutError:
             raise TinkerError(
                 f"Tinker call {what} ({self.settings['base_url']}): no answer within {timeout:g} s "
@@ -593,11 +593,6 @@ class TinkerSession:
                 f"Tinker call {what} ({self.settings['base_url']}): {said}",
                 transient=lost_model(said) or (transient_status(int(code.group(1))) if code else is_transient(exc)),
             ) from None
-        finally:
-            if phase is not None:
-                self.clock.end(phase)
-            if timed:
-                self.wait_s += time.perf_counter() - start
 
 
 #: The SDK versions this release is tested with, both ends (dists/verl-remote-tinker/pyproject.toml).

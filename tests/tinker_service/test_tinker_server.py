@@ -107,6 +107,14 @@ def test_full_fine_tuning_is_refused_in_one_line_where_the_service_does_not_offe
     assert _loaded(tinker_server) == []
 
 
+def _session_settings(server: LocalServer) -> dict[str, Any]:
+    """A session's settings, as the backend gives them, for the tests that drive one in this process."""
+    return {
+        "base_url": server.url, "api_key_env": "TINKER_API_KEY", "timeout_s": 120, "max_retries": 1,
+        "lora_rank": 4, "lora_seed": 7, "train_mlp": True, "train_attn": True, "train_unembed": True,
+    }  # fmt: skip
+
+
 def test_the_gradient_the_service_applies_is_verls(tinker_server: LocalServer) -> None:
     """verl's loss sent as a linearised importance-sampling loss moves the model exactly as the service's own
     cross_entropy loss does when the two objectives are the same function: here verl's vanilla PPO loss at
@@ -114,10 +122,7 @@ def test_the_gradient_the_service_applies_is_verls(tinker_server: LocalServer) -
     entropy. Same LoRA seed, so the gradient norms the service reports must agree."""
     rows = [[3, 4, 5, 6, 7, 8, 9, 10], [3, 4, 11, 12, 13], [3, 14, 15, 16, 17, 18]]
     responses = [3, 2, 4]
-    settings = {
-        "base_url": tinker_server.url, "api_key_env": "TINKER_API_KEY", "timeout_s": 120, "max_retries": 1,
-        "lora_rank": 4, "lora_seed": 7, "train_mlp": True, "train_attn": True, "train_unembed": True,
-    }  # fmt: skip
+    settings = _session_settings(tinker_server)
     optim = {"lr": 1e-2, "betas": [0.9, 0.999], "weight_decay": 0.0, "clip_grad": 0.0, "total_training_steps": 2}
     actor = compose_config(
         ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
@@ -213,11 +218,7 @@ def test_an_overlapped_session_scores_the_next_steps_rows_behind_the_step_at_the
     optimizer step (before the step's answer, and behind it in the service's own order), the sampler's save
     behind the step too, and the next step's ``forward`` is answered from that pass with what a pass asked then
     answers. A greedy (validation) sample is not scored ahead."""
-    settings = {
-        "base_url": tinker_server.url, "api_key_env": "TINKER_API_KEY", "timeout_s": 120, "max_retries": 1,
-        "lora_rank": 4, "lora_seed": 7, "train_mlp": True, "train_attn": True, "train_unembed": True,
-        "overlap": True,
-    }  # fmt: skip
+    settings = {**_session_settings(tinker_server), "overlap": True}
     optim = {"lr": 5e-2, "betas": [0.9, 0.999], "weight_decay": 0.0, "clip_grad": 0.0, "total_training_steps": 2}
 
     def params(temperature: float) -> SamplingParams:
